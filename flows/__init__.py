@@ -1,0 +1,1 @@
+"""Prefect flows, deployments and the command line: wiring only, no numerics."""

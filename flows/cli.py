@@ -1,0 +1,168 @@
+"""The ``gridsolve`` command line.
+
+Every user-facing failure is a :class:`GridsolveError`: printed as one message
+without a traceback, exit status 2. ``--debug`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from schemas.errors import EXIT_CODE, GridsolveError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gridsolve",
+        description="Per-pixel least squares and per-sample model gradients over NetCDF cubes, "
+        "as a cached Prefect pipeline.",
+    )
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="write a demo cube and config, then run the pipeline on it")
+    d.add_argument(
+        "--out", default="gridsolve-demo", help="folder for the cube, config, cache and output"
+    )
+    d.add_argument(
+        "--size",
+        choices=["small", "seed"],
+        default="small",
+        help="small: 50×64×64; seed: 50×500×500 with 100 coefficients (the original problem)",
+    )
+    d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    r = sub.add_parser("run", help="run the pipeline on a config file")
+    r.add_argument("config", help="YAML config file")
+    r.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one field, e.g. --set solve.ridge=0.1 (repeatable)",
+    )
+
+    v = sub.add_parser("validate", help="check a config file (and the input file's structure)")
+    v.add_argument("config")
+    v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    sub.add_parser("schema", help="print the JSON schema of the config")
+    return p
+
+
+def _demo_config(out: Path, size: str) -> dict[str, Any]:
+    return {
+        "load": {"impl": "netcdf", "path": "demo.nc", "variable": "signal"},
+        "design": {"impl": "random", "coef": 100, "seed": 0},
+        "solve": {"impl": "lstsq", "policy": "minnorm", "dtype": "float32"},
+        "model": {"impl": "multidim_linear", "input_dim": 10, "hidden_dim": 10, "output_dim": 4},
+        "write": {"impl": "netcdf", "path": "output.nc"},
+        "cache": {"root": ".cache"},
+    }
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Write the demo cube and config under ``--out``, then run them."""
+    from schemas.errors import OutputError
+    from stages.demo import SIZES, make_cube, write_atomic
+
+    out = Path(args.out).resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(
+            f"cannot create {out}: {exc.strerror}", fix="choose a writable --out folder"
+        ) from exc
+    cube = out / "demo.nc"
+    stamp = out / f".demo-{args.size}"
+    if not (cube.exists() and stamp.exists()):
+        for old in out.glob(".demo-*"):
+            old.unlink()
+        write_atomic(make_cube(*SIZES[args.size], seed=0), cube)
+        stamp.touch()
+    config = out / "gridsolve.yaml"
+    config.write_text(
+        "# gridsolve demo config: edit and rerun with `gridsolve run gridsolve.yaml`\n"
+        + yaml.safe_dump(_demo_config(out, args.size), sort_keys=False)
+    )
+    print(f"demo cube {cube} ({args.size}), config {config}")
+    return _run(config, args.overrides)
+
+
+def _run(config_path: Path, overrides: Sequence[str]) -> int:
+    from flows.pipeline import run_config
+    from schemas.config import load_config
+
+    cfg = load_config(config_path, overrides)
+    summary = run_config(cfg)
+    print(summary.table())
+    if summary.status_counts:
+        print(
+            "pixel status: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(summary.status_counts.items()))
+        )
+    print(f"output: {summary.output}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run a config file."""
+    return _run(Path(args.config), args.overrides)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Validate a config; open the input to check its structure."""
+    from schemas.config import NetCDFLoad, config_to_yaml, load_config
+    from stages.load import open_netcdf
+
+    cfg = load_config(args.config, args.overrides)
+    if isinstance(cfg.load, NetCDFLoad) and "{" not in cfg.load.path:
+        open_netcdf(cfg.load.path).close()
+    print(config_to_yaml(cfg), end="")
+    print("config is valid")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    """Print the config's JSON schema."""
+    from schemas.config import PipelineConfig
+
+    print(json.dumps(PipelineConfig.model_json_schema(), indent=2))
+    return 0
+
+
+COMMANDS = {"demo": cmd_demo, "run": cmd_run, "validate": cmd_validate, "schema": cmd_schema}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``gridsolve`` command."""
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if not args.debug:
+        logging.getLogger("gridsolve").setLevel(logging.WARNING)
+    try:
+        import stages  # noqa: F401  (registers built-in implementations)
+
+        return COMMANDS[args.command](args)
+    except GridsolveError as exc:
+        if args.debug:
+            raise
+        print(str(exc), file=sys.stderr)
+        return EXIT_CODE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

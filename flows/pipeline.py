@@ -1,0 +1,458 @@
+"""The gridsolve Prefect flow: one parameter per stage, one thin task per stage or tile.
+
+Wiring only. Each task builds a :class:`StageContext` and calls the generic
+runner in :mod:`stages.runner`; Prefect's cache policy computes the same key
+as the runner, so a stage the store already holds shows as ``Cached`` in the
+Prefect UI and is not run at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import (
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import CachePolicy
+from prefect.client.schemas.objects import State
+from prefect.context import TaskRunContext
+from prefect.futures import PrefectFuture, as_completed
+from prefect.runtime import deployment as rt_deployment
+from prefect.runtime import flow_run as rt_flow_run
+from pydantic import BaseModel, ConfigDict
+
+from schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
+from schemas.config import (
+    CacheConfig,
+    DemoLoad,
+    DesignField,
+    ExecutionConfig,
+    LoadField,
+    LstsqSolve,
+    ModelField,
+    MultidimLinearModel,
+    NetCDFWrite,
+    NormalEquationsField,
+    PipelineConfig,
+    RandomDesign,
+    SolveField,
+    StageConfig,
+    SVDNormalEquations,
+    WriteField,
+    build_config,
+    render_template,
+)
+from schemas.errors import GridsolveError
+from stages.context import StageContext
+from stages.registry import decl_for
+from stages.runner import cache_key, prepare_stage, reusable, run_stage, run_tile
+from stages.store import Store
+from stages.tiles import tiles_for
+from stages.write import chunk_alignment
+
+WHOLE = ("load", "design", "normal_equations")
+TILED = ("solve", "model")
+PREFECT_RECORDS = "prefect"
+
+Ref = ArtifactRef | TiledRef
+
+
+# ---------------------------------------------------------------- cache policy
+@dataclass
+class StoreCachePolicy(CachePolicy):
+    """Prefect cache keyed by the store's own key; a miss in the store is a miss in Prefect."""
+
+    def compute_key(
+        self,
+        task_ctx: TaskRunContext,
+        inputs: dict[str, Any],
+        flow_parameters: dict[str, Any],
+        **kwargs: Any,
+    ) -> str | None:
+        """The runner's key, after dropping Prefect's record if the store lost the artifact."""
+        cache: CacheConfig = inputs["cache"]
+        if not cache.enabled:
+            return None
+        store = Store(cache.root)
+        ctx = StageContext(store=store)
+        config: StageConfig = inputs["config"]
+        key = cache_key(
+            config,
+            inputs["refs"],
+            ctx,
+            prepared=inputs.get("prepared"),
+            tile=inputs.get("tile"),
+            prepare=inputs.get("part") == "prepare",
+        )
+        if reusable(store, key, decl_for(config)) is None:
+            # Never let Prefect return a cached reference to an artifact that is gone.
+            (store.root / PREFECT_RECORDS / key).unlink(missing_ok=True)
+        return key
+
+
+TASK_OPTIONS: dict[str, Any] = {
+    "cache_policy": StoreCachePolicy(),
+    "persist_result": True,
+    "result_serializer": "json",
+    "retries": 1,
+    "retry_delay_seconds": 2,
+}
+
+
+def _ctx(cache: CacheConfig, execution: ExecutionConfig) -> StageContext:
+    return StageContext(
+        store=Store(cache.root),
+        memory_budget=execution.memory_budget_bytes,
+        logger=get_run_logger(),  # type: ignore[arg-type]
+    )
+
+
+def _no_retry_for_user_errors(task: Any, task_run: Any, state: State[Any]) -> bool:
+    """Retry transient failures (I/O), never bad input or config."""
+    try:
+        state.result()
+    except GridsolveError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+@task(name="stage", retry_condition_fn=_no_retry_for_user_errors, **TASK_OPTIONS)
+def stage_task(
+    config: StageConfig,
+    refs: dict[str, Ref],
+    cache: CacheConfig,
+    execution: ExecutionConfig,
+    part: str = "whole",
+) -> StageRun:
+    """Run or reuse one whole stage."""
+    return run_stage(config, refs, _ctx(cache, execution), use_cache=cache.enabled)
+
+
+@task(name="prepare", retry_condition_fn=_no_retry_for_user_errors, **TASK_OPTIONS)
+def prepare_task(
+    config: StageConfig,
+    refs: dict[str, Ref],
+    cache: CacheConfig,
+    execution: ExecutionConfig,
+    part: str = "prepare",
+) -> StageRun:
+    """Run or reuse the once-per-stage part of a tiled stage."""
+    return prepare_stage(config, refs, _ctx(cache, execution), use_cache=cache.enabled)
+
+
+@task(name="tile", retry_condition_fn=_no_retry_for_user_errors, **TASK_OPTIONS)
+def tile_task(
+    config: StageConfig,
+    refs: dict[str, Ref],
+    prepared: ArtifactRef,
+    tile: Tile,
+    cache: CacheConfig,
+    execution: ExecutionConfig,
+    part: str = "tile",
+) -> StageRun:
+    """Run or reuse one tile of a tiled stage."""
+    return run_tile(config, refs, prepared, tile, _ctx(cache, execution), use_cache=cache.enabled)
+
+
+# ---------------------------------------------------------------- summary
+class StageSummary(BaseModel):
+    """One row of the run summary."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stage: str
+    impl: str
+    key: str
+    cache: str
+    hit: bool
+    seconds: float
+    pixels: int
+    pixels_per_second: float
+
+
+class RunSummary(BaseModel):
+    """What a run did: one row per stage, the output path and status counts."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stages: list[StageSummary]
+    output: str
+    status_counts: dict[str, int]
+    tiles: int
+
+    @property
+    def all_hit(self) -> bool:
+        """Whether every stage was reused from the cache."""
+        return all(s.hit for s in self.stages)
+
+    def table(self) -> str:
+        """The summary as a text table."""
+        head = f"{'stage':<17}{'impl':<16}{'key':<14}{'cache':<14}{'seconds':>9}{'pixels/s':>14}"
+        lines = [head, "-" * len(head)]
+        for s in self.stages:
+            pps = f"{s.pixels_per_second:,.0f}" if s.pixels else ""
+            lines.append(
+                f"{s.stage:<17}{s.impl:<16}{s.key[:12]:<14}{s.cache:<14}{s.seconds:>9.2f}{pps:>14}"
+            )
+        return "\n".join(lines)
+
+
+def _hit(state: State[Any], run: StageRun) -> bool:
+    return state.name == "Cached" or run.hit
+
+
+def _row(
+    kind: str, impl: str, key: str, hits: Sequence[bool], seconds: float, pixels: int
+) -> StageSummary:
+    n, h = len(hits), sum(hits)
+    label = "hit" if h == n else "miss" if h == 0 else f"{h}/{n} hit"
+    return StageSummary(
+        stage=kind,
+        impl=impl,
+        key=key,
+        cache=label,
+        hit=h == n,
+        seconds=round(seconds, 4),
+        pixels=pixels,
+        pixels_per_second=round(pixels / seconds, 1) if seconds > 0 and pixels else 0.0,
+    )
+
+
+# ---------------------------------------------------------------- templating
+def template_values() -> dict[str, str]:
+    """Values for ``{date}``-style placeholders, from the current flow run."""
+    now = datetime.now(UTC)
+    scheduled = rt_flow_run.scheduled_start_time
+    try:
+        sched = scheduled.astimezone(UTC) if scheduled is not None else now
+    except Exception:
+        sched = now
+    return {
+        "date": now.strftime("%Y-%m-%d"),
+        "scheduled_date": sched.strftime("%Y-%m-%d"),
+        "scheduled_time": sched.strftime("%Y%m%dT%H%M%SZ"),
+        "flow_run_name": str(rt_flow_run.name or "local"),
+        "flow_run_id": str(rt_flow_run.id or "local"),
+        "deployment": str(rt_deployment.name or "local"),
+    }
+
+
+def render_paths(cfg: PipelineConfig, values: Mapping[str, str]) -> PipelineConfig:
+    """``cfg`` with placeholders in load.path and write.path filled in."""
+    updates: dict[str, StageConfig] = {}
+    for kind in ("load", "write"):
+        conf = getattr(cfg, kind)
+        path = getattr(conf, "path", None)
+        if isinstance(path, str) and "{" in path:
+            updates[kind] = conf.model_copy(update={"path": render_template(path, values)})
+    return cfg.model_copy(update=updates) if updates else cfg
+
+
+# ---------------------------------------------------------------- flow
+def run_meta(ref: Ref) -> dict[str, Any]:
+    """Metadata of a whole stage's artifact (of the prepare step for tiled stages)."""
+    return ref.prepared.meta if isinstance(ref, TiledRef) else ref.meta
+
+
+def _tile_refs(
+    decl_inputs: Sequence[str],
+    refs: Mapping[str, Ref],
+    tile_runs: Mapping[str, dict[int, ArtifactRef]],
+    tile: Tile,
+) -> dict[str, Ref]:
+    out: dict[str, Ref] = {}
+    for k in decl_inputs:
+        out[k] = tile_runs[k][tile.index] if k in tile_runs else refs[k]
+    return out
+
+
+def run_pipeline(cfg: PipelineConfig) -> RunSummary:
+    """Run every stage of ``cfg`` inside the current flow run; returns the summary."""
+    logger = get_run_logger()
+    cfg = render_paths(cfg, template_values())
+    records = Path(cfg.cache.root).expanduser().resolve() / PREFECT_RECORDS
+    opts: dict[str, Any] = {"result_storage": records}
+    cache, execution = cfg.cache, cfg.execution
+    rows: list[StageSummary] = []
+    refs: dict[str, Ref] = {}
+
+    for kind in WHOLE:
+        conf = getattr(cfg, kind)
+        decl = decl_for(conf)
+        t0 = time.perf_counter()
+        state = stage_task.with_options(name=kind, **opts)(
+            conf, {k: refs[k] for k in decl.inputs}, cache, execution, return_state=True
+        )
+        run: StageRun = state.result()
+        refs[kind] = run.ref
+        rows.append(
+            _row(kind, conf.impl, run.ref.key, [_hit(state, run)], time.perf_counter() - t0, 0)
+        )
+        logger.info("%s/%s %s (key %s)", kind, conf.impl, rows[-1].cache, run.ref.key[:12])
+
+    prepared: dict[str, tuple[StageRun, bool, float]] = {}
+    for kind in TILED:
+        conf = getattr(cfg, kind)
+        decl = decl_for(conf)
+        t0 = time.perf_counter()
+        state = prepare_task.with_options(name=f"{kind}-prepare", **opts)(
+            conf, {k: refs[k] for k in decl.inputs}, cache, execution, return_state=True
+        )
+        run = state.result()
+        prepared[kind] = (run, _hit(state, run), time.perf_counter() - t0)
+        refs[kind] = TiledRef(
+            kind=kind, impl=conf.impl, key=run.ref.meta["_stage_key"], prepared=run.ref, tiles=()
+        )
+
+    load_meta = run_meta(refs["load"])
+    coef = int(run_meta(refs["design"])["coef"])
+    write_conf = cfg.write
+    align = (
+        chunk_alignment(write_conf, load_meta["y_dim"], load_meta["x_dim"])
+        if isinstance(write_conf, NetCDFWrite)
+        else (1, 1)
+    )
+    tiles = tiles_for(
+        load_meta,
+        coef,
+        prepared["model"][0].ref.meta,
+        execution.memory_budget_bytes,
+        execution.tile_pixels,
+        align,
+    )
+    logger.info("grid %d×%d in %d tile(s)", load_meta["ny"], load_meta["nx"], len(tiles))
+    progress = create_progress_artifact(progress=0.0, description="tiles done (solve and model)")
+    assert isinstance(progress, UUID)
+    total = 2 * len(tiles)
+    done = 0
+    tile_runs: dict[str, dict[int, ArtifactRef]] = {}
+    status_counts: dict[str, int] = {}
+    for kind in TILED:
+        conf = getattr(cfg, kind)
+        decl = decl_for(conf)
+        prep_run, prep_hit, prep_seconds = prepared[kind]
+        t0 = time.perf_counter()
+        futures: dict[PrefectFuture[StageRun], Tile] = {}
+        task_fn = tile_task.with_options(name=f"{kind}-tile", **opts)
+        for tile in tiles:
+            fut = task_fn.with_options(task_run_name=f"{kind}-tile-{tile.index}").submit(
+                conf,
+                _tile_refs(decl.inputs, refs, tile_runs, tile),
+                prep_run.ref,
+                tile,
+                cache,
+                execution,
+            )
+            futures[fut] = tile
+        hits: list[bool] = [prep_hit]
+        by_index: dict[int, ArtifactRef] = {}
+        for fut in as_completed(list(futures)):
+            tile = futures[fut]
+            run = fut.result()
+            by_index[tile.index] = run.ref
+            hits.append(_hit(fut.state, run))
+            if kind == "solve":
+                for name, n in run.ref.meta.get("status_counts", {}).items():
+                    status_counts[name] = status_counts.get(name, 0) + int(n)
+            done += 1
+            update_progress_artifact(progress, progress=100.0 * done / total)
+        tile_runs[kind] = by_index
+        refs[kind] = TiledRef(
+            kind=kind,
+            impl=conf.impl,
+            key=prep_run.ref.meta["_stage_key"],
+            prepared=prep_run.ref,
+            tiles=tuple(by_index[t.index] for t in tiles),
+        )
+        pixels = sum(t.pixels for t in tiles)
+        rows.append(
+            _row(
+                kind,
+                conf.impl,
+                refs[kind].key,
+                hits,
+                prep_seconds + time.perf_counter() - t0,
+                pixels,
+            )
+        )
+        logger.info("%s/%s %s over %d tile(s)", kind, conf.impl, rows[-1].cache, len(tiles))
+
+    conf = cfg.write
+    decl = decl_for(conf)
+    t0 = time.perf_counter()
+    state = stage_task.with_options(name="write", **opts)(
+        conf, {k: refs[k] for k in decl.inputs}, cache, execution, return_state=True
+    )
+    run = state.result()
+    rows.append(
+        _row("write", conf.impl, run.ref.key, [_hit(state, run)], time.perf_counter() - t0, 0)
+    )
+    summary = RunSummary(
+        stages=rows,
+        output=str(run.ref.meta.get("path", "")),
+        status_counts=status_counts,
+        tiles=len(tiles),
+    )
+    create_table_artifact(
+        table=[
+            {
+                "stage": r.stage,
+                "impl": r.impl,
+                "key": r.key,
+                "cache": r.cache,
+                "seconds": float(r.seconds),
+                "pixels_per_second": float(r.pixels_per_second),
+            }
+            for r in rows
+        ],
+        key="gridsolve-summary",
+        description=f"gridsolve run summary: output {summary.output}; "
+        f"status counts {status_counts}",
+    )
+    logger.info("wrote %s", summary.output)
+    return summary
+
+
+@flow(name="gridsolve", persist_result=False, validate_parameters=True, log_prints=True)
+def pipeline(
+    load: LoadField = DemoLoad(),
+    design: DesignField = RandomDesign(),
+    normal_equations: NormalEquationsField = SVDNormalEquations(),
+    solve: SolveField = LstsqSolve(),
+    model: ModelField = MultidimLinearModel(),
+    write: WriteField = NetCDFWrite(),
+    cache: CacheConfig = CacheConfig(),
+    execution: ExecutionConfig = ExecutionConfig(),
+) -> RunSummary:
+    """Fit every pixel, run the single-sample model with per-sample gradients, write NetCDF."""
+    cfg = build_config(
+        {
+            "load": load,
+            "design": design,
+            "normal_equations": normal_equations,
+            "solve": solve,
+            "model": model,
+            "write": write,
+            "cache": cache,
+            "execution": execution,
+        }
+    )
+    return run_pipeline(cfg)
+
+
+def run_config(cfg: PipelineConfig) -> RunSummary:
+    """Run the flow on a validated config (what the CLI calls)."""
+    params = {k: getattr(cfg, k) for k in PipelineConfig.model_fields}
+    summary: RunSummary = pipeline(**params)
+    return summary

@@ -1,0 +1,1 @@
+"""Pydantic models: user configs, data contracts, artifact references, errors."""

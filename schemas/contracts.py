@@ -1,0 +1,94 @@
+"""Data contracts: the dims, dtypes and shapes a stage takes and returns.
+
+Checks collect every violation and raise one :class:`ContractError` that lists
+them all with what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from schemas.errors import ContractError
+
+_KIND_NAMES = {"f": "float", "i": "signed int", "u": "unsigned int", "b": "bool"}
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """Contract of one array: named dims (sizes bound across arrays) and dtype kinds."""
+
+    dims: tuple[str, ...]
+    kinds: str = "f"
+    description: str = ""
+
+    def describe(self) -> str:
+        """e.g. ``(coef, y, x) float``."""
+        kinds = "/".join(_KIND_NAMES.get(k, k) for k in self.kinds)
+        return f"({', '.join(self.dims)}) {kinds}"
+
+
+def array_violations(
+    arrays: Mapping[str, np.ndarray],
+    specs: Mapping[str, ArraySpec],
+    sizes: Mapping[str, int] | None = None,
+) -> list[str]:
+    """Every way ``arrays`` break ``specs``; dim sizes must agree with ``sizes`` and each other."""
+    bound = dict(sizes or {})
+    problems: list[str] = []
+    for name, spec in specs.items():
+        if name not in arrays:
+            problems.append(f"{name}: missing (expected {spec.describe()})")
+            continue
+        arr = arrays[name]
+        if arr.ndim != len(spec.dims):
+            problems.append(
+                f"{name}: expected {len(spec.dims)} dims {spec.describe()}, found shape {arr.shape}"
+            )
+            continue
+        if arr.dtype.kind not in spec.kinds:
+            problems.append(f"{name}: expected dtype {spec.describe()}, found {arr.dtype}")
+        for dim, size in zip(spec.dims, arr.shape, strict=True):
+            if dim in bound and bound[dim] != size:
+                problems.append(f"{name}: dim {dim!r} has size {size}, expected {bound[dim]}")
+            else:
+                bound.setdefault(dim, size)
+    return problems
+
+
+def check_arrays(
+    stage: str,
+    arrays: Mapping[str, np.ndarray],
+    specs: Mapping[str, ArraySpec],
+    sizes: Mapping[str, int] | None = None,
+    *,
+    what: str = "output",
+) -> None:
+    """Raise one ContractError listing every violation of ``specs``; return if none."""
+    problems = array_violations(arrays, specs, sizes)
+    if problems:
+        raise ContractError(
+            f"{what} breaks the stage contract ({len(problems)} problem(s))",
+            stage=stage,
+            violations=problems,
+            fix="this is a bug in the stage implementation; report it with the config",
+        )
+
+
+def numeric_kind(dtype: np.dtype) -> bool:
+    """Whether a dtype holds numbers gridsolve can compute with."""
+    return dtype.kind in "fiu"
+
+
+#: Per-pixel ``status`` codes of the solve stage (CF flag_values / flag_meanings).
+STATUS_FLAGS: dict[int, str] = {
+    0: "ok",
+    1: "all_missing",
+    2: "too_few_observations",
+    3: "fell_back_to_ridge",
+    4: "fell_back_to_minimum_norm",
+    5: "singular",
+}
+STATUS_CODES: dict[str, int] = {v: k for k, v in STATUS_FLAGS.items()}

@@ -1,0 +1,127 @@
+"""The one error hierarchy of gridsolve.
+
+Every error a user can meet is a :class:`GridsolveError`. Its message names the
+stage, what was expected, what was found and how to fix it; contract errors
+carry every violation at once, not only the first. The CLI prints ``str(err)``
+without a traceback and exits with :data:`EXIT_CODE`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+EXIT_CODE = 2
+
+
+class GridsolveError(Exception):
+    """Base class: a problem the user can understand and fix."""
+
+    kind = "error"
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        stage: str | None = None,
+        expected: str | None = None,
+        found: str | None = None,
+        fix: str | None = None,
+        violations: Sequence[str] = (),
+    ) -> None:
+        self.problem = problem
+        self.stage = stage
+        self.expected = expected
+        self.found = found
+        self.fix = fix
+        self.violations = list(violations)
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        """The full user-facing message."""
+        where = f"[{self.stage}] " if self.stage else ""
+        lines = [f"{self.kind}: {where}{self.problem}"]
+        lines += [f"  - {v}" for v in self.violations]
+        if self.expected is not None:
+            lines.append(f"  expected: {self.expected}")
+        if self.found is not None:
+            lines.append(f"  found:    {self.found}")
+        if self.fix is not None:
+            lines.append(f"  fix:      {self.fix}")
+        return "\n".join(lines)
+
+    def with_stage(self, stage: str) -> GridsolveError:
+        """The same error, attributed to ``stage`` when it names none yet."""
+        if self.stage is None:
+            self.stage = stage
+            self.args = (self.render(),)
+        return self
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Errors cross process boundaries (Dask workers, Prefect results):
+        # rebuild from the fields, not from the rendered message.
+        return (
+            _rebuild,
+            (
+                type(self),
+                self.problem,
+                self.stage,
+                self.expected,
+                self.found,
+                self.fix,
+                tuple(self.violations),
+            ),
+        )
+
+
+def _rebuild(
+    cls: type[GridsolveError],
+    problem: str,
+    stage: str | None,
+    expected: str | None,
+    found: str | None,
+    fix: str | None,
+    violations: tuple[str, ...],
+) -> GridsolveError:
+    return cls(problem, stage=stage, expected=expected, found=found, fix=fix, violations=violations)
+
+
+class ConfigError(GridsolveError):
+    """The configuration is invalid (unknown key, bad value, unknown impl)."""
+
+    kind = "config error"
+
+
+class InputError(GridsolveError):
+    """An input file is missing, unreadable, corrupt or not NetCDF."""
+
+    kind = "input error"
+
+
+class ContractError(GridsolveError):
+    """Data does not meet a stage's contract (dims, dtypes, shapes, values)."""
+
+    kind = "contract error"
+
+
+class NumericalError(GridsolveError):
+    """A computation would be meaningless (singular system, float32 too coarse)."""
+
+    kind = "numerical error"
+
+
+class OutputError(GridsolveError):
+    """The output cannot be written (unwritable folder, disk full, outside root)."""
+
+    kind = "output error"
+
+
+class StageError(GridsolveError):
+    """A stage failed for a reason that is not the user's input (a bug or a crash)."""
+
+    kind = "stage error"
+
+
+class StoreError(GridsolveError):
+    """The artifact store cannot be used (unwritable, corrupt beyond recovery)."""
+
+    kind = "store error"

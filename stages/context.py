@@ -1,0 +1,66 @@
+"""What a stage function may know about the run besides its config and inputs.
+
+Nothing here affects results: the memory budget and the device only change
+speed and placement; the logger and progress callback only report.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from schemas.errors import ConfigError
+from stages.store import Store
+
+ProgressFn = Callable[[float, str], None]
+
+
+def _no_progress(fraction: float, message: str) -> None:
+    return None
+
+
+@dataclass
+class StageContext:
+    """Run-wide facilities handed to every stage function."""
+
+    store: Store
+    memory_budget: int = 2**30
+    logger: logging.Logger = field(default_factory=lambda: logging.getLogger("gridsolve"))
+    progress: ProgressFn = _no_progress
+    #: key of the stage (or tile) being run; set by the runner
+    key: str = ""
+
+    @property
+    def scratch(self) -> Path:
+        """A folder under the store for stage-owned files (e.g. demo inputs)."""
+        return self.store.root
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device for ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device {name!r} requested but this machine has no CUDA device",
+                fix="set device: auto (uses CUDA when present) or device: cpu",
+            )
+        dev = torch.device(name)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device {name!r} does not exist (this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s))",
+                fix="use cuda:0 … or device: auto",
+            )
+        return dev
+    return torch.device("cpu")
+
+
+def chunk_size(budget_bytes: int, bytes_per_item: int, minimum: int = 1) -> int:
+    """How many items fit in ``budget_bytes`` at ``bytes_per_item`` each (at least ``minimum``)."""
+    return max(minimum, int(budget_bytes // max(1, bytes_per_item)))

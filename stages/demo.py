@@ -1,0 +1,87 @@
+"""Seeded demo cubes: a seasonal signal with a trend and noise at every pixel.
+
+``seed`` is the original problem's size (50 observations on a 500×500 grid,
+float32); ``small`` is the same on 64×64. The same arguments always give the
+same bytes, so the demo's cache keys are stable across machines.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+
+SIZES: dict[str, tuple[int, int, int]] = {
+    "small": (50, 64, 64),
+    "seed": (50, 500, 500),
+}
+
+
+def make_cube(
+    n_obs: int,
+    ny: int,
+    nx: int,
+    *,
+    seed: int = 0,
+    nan_fraction: float = 0.0,
+    dtype: str = "float32",
+) -> xr.Dataset:
+    """A dataset with variable ``signal (time, y, x)``; ``nan_fraction`` of values set to NaN."""
+    rng = np.random.default_rng(seed)
+    time = pd.date_range("2020-01-01", periods=n_obs, freq="7D")
+    t = np.linspace(-1.0, 1.0, n_obs, dtype=np.float64)
+    phase = 2 * np.pi * np.arange(n_obs) * 7.0 / 365.25
+    yy = np.linspace(0.0, 1.0, ny)[:, None]
+    xx = np.linspace(0.0, 1.0, nx)[None, :]
+    mean = 10.0 + 5.0 * yy + 2.0 * xx
+    amp = 3.0 + 2.0 * np.sin(3 * yy) * np.cos(2 * xx)
+    trend = 0.5 * (xx - yy)
+    data = (
+        mean[None]
+        + trend[None] * t[:, None, None]
+        + amp[None] * np.cos(phase)[:, None, None]
+        + 0.3 * rng.standard_normal((n_obs, ny, nx))
+    ).astype(dtype)
+    if nan_fraction > 0:
+        data[rng.random(data.shape) < nan_fraction] = np.nan
+    return xr.Dataset(
+        {
+            "signal": (
+                ("time", "y", "x"),
+                data,
+                {"long_name": "synthetic seasonal signal", "units": "1"},
+            )
+        },
+        coords={
+            "time": ("time", time),
+            "y": ("y", np.arange(ny, dtype=np.float64), {"long_name": "row", "units": "1"}),
+            "x": ("x", np.arange(nx, dtype=np.float64), {"long_name": "column", "units": "1"}),
+        },
+        attrs={"title": "gridsolve demo cube", "source": f"stages.demo.make_cube(seed={seed})"},
+    )
+
+
+def write_atomic(ds: xr.Dataset, path: Path) -> Path:
+    """Write ``ds`` to ``path`` through a temporary file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        ds.to_netcdf(tmp, engine="netcdf4")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def demo_file(root: Path, size: str, seed: int, nan_fraction: float) -> Path:
+    """Path of the demo cube under ``root/demo``, written first if absent."""
+    n_obs, ny, nx = SIZES[size]
+    path = Path(root) / "demo" / f"demo-{size}-s{seed}-nan{nan_fraction:g}.nc"
+    if not path.exists():
+        write_atomic(make_cube(n_obs, ny, nx, seed=seed, nan_fraction=nan_fraction), path)
+    return path

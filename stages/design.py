@@ -1,0 +1,173 @@
+"""The ``design`` stage: the design matrix ``A (obs, coef)`` shared by every pixel.
+
+Generated bases use a centred, scaled axis: datetimes become days since
+1970-01-01, then ``t = (v - centre) / half_range`` lies in [-1, 1], which keeps
+polynomial columns well conditioned. The centre and scale are recorded so
+coefficients can be mapped back to raw units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from schemas.config import HarmonicDesign, PolynomialDesign, RandomDesign, VariableDesign
+from schemas.contracts import ArraySpec
+from schemas.errors import ContractError
+from stages.context import StageContext
+from stages.registry import StageDecl, register
+from stages.store import Artifact, StageOutput
+
+VERSION = "1"
+OUTPUTS = {"A": ArraySpec(("obs", "coef"), "f", "design matrix, float64")}
+
+
+def obs_axis(values: np.ndarray, stage: str) -> tuple[np.ndarray, str]:
+    """The observation coordinate as float64 and its unit ("days" for datetimes)."""
+    if np.issubdtype(values.dtype, np.datetime64):
+        days = (values.astype("datetime64[ns]").astype(np.int64) / 86_400e9).astype(np.float64)
+        return days, "days since 1970-01-01"
+    if values.dtype.kind in "fiu":
+        return values.astype(np.float64), "coordinate units"
+    raise ContractError(
+        "a generated design needs a numeric or datetime observation coordinate",
+        stage=stage,
+        found=f"coordinate of dtype {values.dtype}",
+        fix="use design impl 'random' or 'variable', or give the obs dim a numeric coordinate",
+    )
+
+
+def centre_scale(v: np.ndarray) -> tuple[float, float]:
+    """(centre, half range) mapping ``v`` onto [-1, 1]; half range 1 when constant."""
+    lo, hi = float(np.min(v)), float(np.max(v))
+    half = (hi - lo) / 2.0
+    return (lo + hi) / 2.0, (half if half > 0 else 1.0)
+
+
+def conditioning(A: np.ndarray) -> dict[str, Any]:
+    """Singular-value facts of ``A``: condition number, rank at the lstsq default cutoff."""
+    s = np.linalg.svd(A, compute_uv=False)
+    if s.size == 0 or s[0] == 0:
+        return {"cond": float("inf"), "rank": 0, "s_max": 0.0, "s_min": 0.0}
+    cutoff = np.finfo(np.float64).eps * max(A.shape) * s[0]
+    rank = int((s > cutoff).sum())
+    return {
+        "cond": float(s[0] / s[-1]) if s[-1] > 0 else float("inf"),
+        "rank": rank,
+        "s_max": float(s[0]),
+        "s_min": float(s[-1]),
+    }
+
+
+def _output(A: np.ndarray, columns: list[str], meta: dict[str, Any]) -> StageOutput:
+    A = np.ascontiguousarray(A, dtype=np.float64)
+    return StageOutput(
+        arrays={"A": A},
+        meta={
+            **meta,
+            "columns": columns,
+            "coef": int(A.shape[1]),
+            "obs": int(A.shape[0]),
+            **conditioning(A),
+        },
+    )
+
+
+def run_variable(
+    config: VariableDesign, inputs: Mapping[str, Artifact], ctx: StageContext
+) -> StageOutput:
+    """The design matrix read from the input file."""
+    load = inputs["load"]
+    if "design" not in load:
+        raise ContractError(
+            "design impl 'variable' found no design variable in the input",
+            stage="design/variable",
+            fix="set load.design to the name of a variable with dims (obs, coef)",
+        )
+    A = np.array(load.array("design"))
+    cols = load.meta.get("design_columns") or [f"c{i}" for i in range(A.shape[1])]
+    return _output(A, cols, {"basis": "variable", "variable": load.meta["aux"]["design"]["name"]})
+
+
+def run_polynomial(
+    config: PolynomialDesign, inputs: Mapping[str, Artifact], ctx: StageContext
+) -> StageOutput:
+    """Columns t**0 … t**degree of the (scaled) observation coordinate."""
+    v, unit = obs_axis(inputs["load"].array("obs"), "design/polynomial")
+    centre, half = centre_scale(v) if config.scale else (0.0, 1.0)
+    t = (v - centre) / half
+    A = np.stack([t**k for k in range(config.degree + 1)], axis=1)
+    return _output(
+        A,
+        [f"t^{k}" for k in range(config.degree + 1)],
+        {"basis": "polynomial", "t_centre": centre, "t_scale": half, "t_units": unit},
+    )
+
+
+def run_harmonic(
+    config: HarmonicDesign, inputs: Mapping[str, Artifact], ctx: StageContext
+) -> StageOutput:
+    """Mean, optional trend, and cos/sin of 2πk(v - centre)/period for k = 1…harmonics."""
+    raw = inputs["load"].array("obs")
+    v, unit = obs_axis(raw, "design/harmonic")
+    centre, half = centre_scale(v)
+    if config.period is not None:
+        period = config.period
+    elif np.issubdtype(raw.dtype, np.datetime64):
+        period = 365.25
+    else:
+        n = len(v)
+        period = (2 * half) * n / (n - 1) if n > 1 else 1.0
+    cols = [np.ones_like(v)]
+    names = ["1"]
+    if config.trend:
+        cols.append((v - centre) / half)
+        names.append("t")
+    for k in range(1, config.harmonics + 1):
+        w = 2 * np.pi * k * (v - centre) / period
+        cols += [np.cos(w), np.sin(w)]
+        names += [f"cos{k}", f"sin{k}"]
+    return _output(
+        np.stack(cols, axis=1),
+        names,
+        {
+            "basis": "harmonic",
+            "period": period,
+            "t_centre": centre,
+            "t_scale": half,
+            "t_units": unit,
+        },
+    )
+
+
+def run_random(
+    config: RandomDesign, inputs: Mapping[str, Artifact], ctx: StageContext
+) -> StageOutput:
+    """A seeded standard-normal matrix (obs × coef)."""
+    n_obs = int(inputs["load"].meta["n_obs"])
+    A = np.random.default_rng(config.seed).standard_normal((n_obs, config.coef))
+    return _output(
+        A, [f"c{i}" for i in range(config.coef)], {"basis": "random", "seed": config.seed}
+    )
+
+
+for _impl, _cfg, _fn, _summary in (
+    ("variable", VariableDesign, run_variable, "design matrix from a file variable"),
+    ("polynomial", PolynomialDesign, run_polynomial, "polynomial in scaled time"),
+    ("harmonic", HarmonicDesign, run_harmonic, "mean, trend and harmonics"),
+    ("random", RandomDesign, run_random, "seeded Gaussian matrix"),
+):
+    register(
+        StageDecl(
+            kind="design",
+            impl=_impl,
+            version=VERSION,
+            config=_cfg,
+            run=_fn,
+            inputs=("load",),
+            outputs=OUTPUTS,
+            summary=_summary,
+        )
+    )

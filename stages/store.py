@@ -1,0 +1,305 @@
+"""The content-addressed artifact store.
+
+An artifact is a folder ``objects/<kk>/<key>/`` holding ``.npy`` arrays and a
+``manifest.json`` with every file's size and xxh3 checksum plus the stage's
+small metadata. It is written in a private temporary folder and renamed into
+place, so a reader sees a whole artifact or none, and two processes writing
+the same key at once are safe (the second rename loses and is discarded).
+An artifact whose files are missing or fail their checksum is moved aside to
+``corrupt/`` and reported as absent, so the stage is recomputed.
+
+The store is a POSIX folder: local, or a shared mount (NFS, Lustre) that every
+Dask worker sees at the same path. Object stores are not supported because
+they have no atomic rename, which is what makes concurrent writers safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, ClassVar, Literal
+
+import numpy as np
+import xxhash
+
+from schemas.artifacts import Tile
+from schemas.errors import StoreError
+
+log = logging.getLogger("gridsolve.store")
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+
+Status = Literal["hit", "miss", "corrupt"]
+
+
+@dataclass
+class StageOutput:
+    """What a stage function returns: named arrays and JSON-able metadata."""
+
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Artifact:
+    """A verified artifact read back from the store; arrays are memory-mapped read-only."""
+
+    def __init__(self, path: Path, manifest: Mapping[str, Any]) -> None:
+        self.path = path
+        self.key: str = manifest["key"]
+        self.meta: dict[str, Any] = manifest["meta"]
+        self._files: dict[str, dict[str, Any]] = manifest["files"]
+        #: how it was made: kind, impl, version, config, input keys
+        self.info: dict[str, Any] = {
+            k: v for k, v in manifest.items() if k not in ("meta", "files", "format")
+        }
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the stored arrays."""
+        return list(self._files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def array(self, name: str) -> np.ndarray:
+        """One stored array (read-only memory map)."""
+        if name not in self._files:
+            raise KeyError(f"artifact {self.key} has no array {name!r}; it has {self.names}")
+        arr = np.load(self.path / self._files[name]["file"], mmap_mode="r", allow_pickle=False)
+        return np.asarray(arr)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every stored array."""
+        return {n: self.array(n) for n in self._files}
+
+
+@dataclass
+class TiledArtifact:
+    """A tiled stage's output as the write stage reads it."""
+
+    key: str
+    prepared: Artifact
+    tiles: Sequence[tuple[Tile, Artifact]]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The once-per-stage metadata."""
+        return self.prepared.meta
+
+
+class _HashingWriter:
+    """A write-only file wrapper that checksums what passes through it."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self.hash = xxhash.xxh3_128()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        self.hash.update(mv)
+        self.size += mv.nbytes
+        return self._f.write(mv)
+
+
+def _file_checksum(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Store:
+    """A content-addressed store of stage artifacts under ``root``."""
+
+    # Verified checksums, per process: a file is hashed once per run, not per reader.
+    _verified: ClassVar[dict[str, tuple[tuple[str, int, int], ...]]] = {}
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).expanduser().resolve()
+        try:
+            for sub in ("objects", "tmp", "corrupt"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(
+                f"cannot create the cache folder {self.root}: {exc.strerror or exc}",
+                fix="set cache.root to a writable folder",
+            ) from exc
+        if not os.access(self.root / "objects", os.W_OK):
+            raise StoreError(
+                f"the cache folder {self.root} is not writable",
+                fix="set cache.root to a writable folder, or fix its permissions",
+            )
+        self._sweep_tmp()
+
+    # ------------------------------------------------------------------ layout
+    def path(self, key: str) -> Path:
+        """Folder of the artifact with ``key``."""
+        return self.root / "objects" / key[:2] / key
+
+    def _sweep_tmp(self) -> None:
+        host = socket.gethostname()
+        for entry in (self.root / "tmp").iterdir():
+            parts = entry.name.split("~")
+            mine = len(parts) == 3 and parts[0] == host and parts[1].isdigit()
+            if mine and not _pid_alive(int(parts[1])):
+                shutil.rmtree(entry, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def _tmpdir(self) -> Iterator[Path]:
+        tmp = self.root / "tmp" / f"{socket.gethostname()}~{os.getpid()}~{uuid.uuid4().hex}"
+        tmp.mkdir()
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    # ------------------------------------------------------------------ reading
+    def _manifest(self, key: str) -> dict[str, Any] | None:
+        try:
+            text = (self.path(key) / MANIFEST).read_text()
+        except FileNotFoundError:
+            return None
+        manifest: dict[str, Any] = json.loads(text)
+        return manifest
+
+    def check(self, key: str) -> tuple[Status, str]:
+        """Whether ``key`` is stored whole: ("hit"|"miss"|"corrupt", why)."""
+        folder = self.path(key)
+        try:
+            manifest = self._manifest(key)
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+            return "corrupt", f"unreadable manifest: {exc}"
+        if manifest is None:
+            return ("corrupt", "manifest missing") if folder.exists() else ("miss", "")
+        if manifest.get("format") != FORMAT or manifest.get("key") != key:
+            return "corrupt", "manifest of another key or format"
+        stamps = []
+        for name, info in manifest["files"].items():
+            p = folder / info["file"]
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                return "corrupt", f"array {name!r} missing"
+            if st.st_size != info["size"]:
+                return "corrupt", f"array {name!r} has {st.st_size} bytes, expected {info['size']}"
+            stamps.append((info["file"], st.st_size, st.st_mtime_ns))
+        stamp = tuple(stamps)
+        with self._lock:
+            if self._verified.get(str(folder)) == stamp:
+                return "hit", ""
+        for name, info in manifest["files"].items():
+            if _file_checksum(folder / info["file"]) != info["xxh3"]:
+                return "corrupt", f"array {name!r} fails its checksum"
+        with self._lock:
+            self._verified[str(folder)] = stamp
+        return "hit", ""
+
+    def lookup(self, key: str) -> tuple[Status, str]:
+        """Like :meth:`check`, but a corrupt artifact is moved aside (and reported)."""
+        status, why = self.check(key)
+        if status == "corrupt":
+            self.quarantine(key, why)
+        return status, why
+
+    def quarantine(self, key: str, why: str) -> None:
+        """Move a bad artifact out of the way so that it is recomputed."""
+        folder = self.path(key)
+        dest = self.root / "corrupt" / f"{key}~{uuid.uuid4().hex[:8]}"
+        log.warning("cache artifact %s is corrupt (%s): moved to %s; recomputing", key, why, dest)
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(folder, dest)
+        with self._lock:
+            self._verified.pop(str(folder), None)
+
+    def get(self, key: str) -> Artifact:
+        """The verified artifact ``key``; StoreError when absent or corrupt."""
+        status, why = self.check(key)
+        if status != "hit":
+            raise StoreError(
+                f"artifact {key} is "
+                f"{'not in the cache' if status == 'miss' else 'corrupt: ' + why}",
+                fix="rerun: the stage that produces it is recomputed",
+            )
+        manifest = self._manifest(key)
+        assert manifest is not None
+        return Artifact(self.path(key), manifest)
+
+    # ------------------------------------------------------------------ writing
+    def put(self, key: str, output: StageOutput, info: Mapping[str, Any]) -> Artifact:
+        """Store ``output`` under ``key`` atomically and return it as read back."""
+        try:
+            with self._tmpdir() as tmp:
+                files: dict[str, dict[str, Any]] = {}
+                for i, (name, arr) in enumerate(output.arrays.items()):
+                    arr = np.asarray(arr)
+                    fname = f"a{i}.npy"
+                    with open(tmp / fname, "wb") as f:
+                        w = _HashingWriter(f)
+                        np.lib.format.write_array(w, arr, allow_pickle=False)
+                    files[name] = {
+                        "file": fname,
+                        "size": w.size,
+                        "xxh3": w.hash.hexdigest(),
+                        "dtype": arr.dtype.str,
+                        "shape": list(arr.shape),
+                    }
+                manifest = {
+                    "format": FORMAT,
+                    "key": key,
+                    **dict(info),
+                    "meta": output.meta,
+                    "files": files,
+                }
+                (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True, allow_nan=True))
+                final = self.path(key)
+                final.parent.mkdir(parents=True, exist_ok=True)
+                self._publish(tmp, final, key)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise StoreError(
+                    f"no space left in the cache folder {self.root}",
+                    fix="free disk space or point cache.root at a larger disk",
+                ) from exc
+            raise StoreError(
+                f"cannot write to the cache folder {self.root}: {exc}",
+                fix="check cache.root is writable",
+            ) from exc
+        return self.get(key)
+
+    def _publish(self, tmp: Path, final: Path, key: str) -> None:
+        try:
+            os.rename(tmp, final)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+        # Someone else published this key first: keep theirs if it is whole.
+        status, why = self.check(key)
+        if status == "hit":
+            return
+        self.quarantine(key, why)
+        os.rename(tmp, final)
