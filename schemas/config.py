@@ -535,7 +535,7 @@ class _RegistryUnion:
         if impl not in classes:
             raise PydanticCustomError(
                 "unknown_impl",
-                "unknown {kind} implementation {impl!r}; known: {known}.{hint}",
+                "unknown {kind} implementation '{impl}'; known: {known}.{hint}",
                 {
                     "kind": self.kind,
                     "impl": impl,

@@ -41,6 +41,9 @@ SINGULAR = STATUS_CODES["singular"]
 #: of the last correction above which a pixel goes to the SVD path instead.
 REFINE_STEPS = 2
 REFINE_TOL = 1e-11
+#: A Cholesky pivot below this fraction of its diagonal entry means the
+#: pixel's design is (nearly) rank-deficient, κ(A) ≳ 1e5: solve it by SVD.
+PIVOT_TOL = 1e-10
 
 
 @dataclass(frozen=True)
@@ -113,44 +116,85 @@ def svd_operator(
 
 
 # ---------------------------------------------------------------- per pixel
-def batched_cholesky(G: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower Cholesky factors of ``G`` (n, n, P); a pivot below ``tol``·max diag fails a pixel."""
+# Every operation along the pixel axis is either elementwise or a matrix
+# product in fixed-size, zero-padded column blocks, and sums over small axes
+# run in index order. So on CPU a pixel's result does not depend on which
+# other pixels share its tile or chunk: results are bit-identical whatever the
+# tile size, chunk size or thread count.
+COLUMN_BLOCK = 1024
+
+
+def colmm(M: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """``M @ X`` whose columns do not depend on X's width (fixed padded blocks on CPU)."""
+    if X.device.type != "cpu":
+        return M @ X
+    n = X.shape[1]
+    out = torch.empty((M.shape[0], n), dtype=torch.result_type(M, X), device=X.device)
+    for s in range(0, n, COLUMN_BLOCK):
+        blk = X[:, s : s + COLUMN_BLOCK]
+        w = blk.shape[1]
+        if w < COLUMN_BLOCK:
+            blk = torch.cat([blk, blk.new_zeros((X.shape[0], COLUMN_BLOCK - w))], dim=1)
+        out[:, s : s + w] = (M @ blk)[:, :w]
+    return out
+
+
+def stable_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Sum over ``dim`` in index order (batch-independent on CPU)."""
+    if x.device.type != "cpu" or x.shape[dim] == 0:
+        return x.sum(dim)
+    acc = x.select(dim, 0).clone()
+    for i in range(1, x.shape[dim]):
+        acc += x.select(dim, i)
+    return acc
+
+
+def batched_cholesky(G: torch.Tensor, tol: float = PIVOT_TOL) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower Cholesky factors of ``G`` (n, n, P), and which pixels factored well.
+
+    A pixel fails when a pivot falls below ``tol`` times its own diagonal entry:
+    that column is (nearly) a combination of the earlier ones, so the normal
+    equations cannot be trusted and the pixel goes to the SVD path.
+    """
     n, _, p = G.shape
+    S = G.clone()
     L = torch.zeros_like(G)
     ok = torch.ones(p, dtype=torch.bool, device=G.device)
-    scale = torch.diagonal(G, dim1=0, dim2=1).amax(dim=1).clamp_min(torch.finfo(G.dtype).tiny)
+    tiny = torch.finfo(G.dtype).tiny
     one = torch.ones((), dtype=G.dtype, device=G.device)
     for j in range(n):
-        Lj = L[j, :j]
-        d2 = G[j, j] - (Lj * Lj).sum(0) if j else G[j, j].clone()
-        good = d2 > tol * scale
+        d2 = S[j, j]
+        good = d2 > (tol * G[j, j]).clamp_min(tiny)
         ok &= good
         d = torch.sqrt(torch.where(good, d2, one))
-        L[j, j] = d
+        L[j:, j] = S[j:, j] / d
         if j + 1 < n:
-            col = G[j + 1 :, j] - (L[j + 1 :, :j] * Lj[None]).sum(1) if j else G[j + 1 :, j]
-            L[j + 1 :, j] = col / d
+            col = L[j + 1 :, j]
+            S[j + 1 :, j + 1 :] -= col[:, None] * col[None, :]
     return L, ok
 
 
 def cholesky_solve(L: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """Solve ``L Lᵀ x = h`` for every pixel: L (n, n, P), h (n, P)."""
     n = L.shape[0]
+    r = h.clone()
     y = torch.empty_like(h)
     for i in range(n):
-        y[i] = (h[i] - (L[i, :i] * y[:i]).sum(0)) / L[i, i] if i else h[i] / L[i, i]
+        y[i] = r[i] / L[i, i]
+        if i + 1 < n:
+            r[i + 1 :] -= L[i + 1 :, i] * y[i]
     x = torch.empty_like(h)
     for i in range(n - 1, -1, -1):
-        x[i] = (
-            (y[i] - (L[i + 1 :, i] * x[i + 1 :]).sum(0)) / L[i, i] if i + 1 < n else y[i] / L[i, i]
-        )
+        x[i] = y[i] / L[i, i]
+        if i:
+            y[:i] -= L[i, :i] * x[i]
     return x
 
 
 def _converged(dx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # Squared norms: vector_norm along dim 0 is several times slower here.
-    num = (dx * dx).sum(0)
-    den = (x * x).sum(0)
+    num = stable_sum(dx * dx)
+    den = stable_sum(x * x)
     return torch.isfinite(den) & (num <= REFINE_TOL**2 * den + torch.finfo(x.dtype).tiny)
 
 
@@ -159,15 +203,15 @@ def _primal(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     obs, coef = A.shape
     AA = (A[:, :, None] * A[:, None, :]).reshape(obs, coef * coef)
-    G = (AA.T @ Wp).reshape(coef, coef, -1)
+    G = colmm(AA.T, Wp).reshape(coef, coef, -1)
     if lam:
         G = G + lam * torch.eye(coef, dtype=A.dtype, device=A.device)[:, :, None]
-    L, ok = batched_cholesky(G, tol=coef * EPS64 * 16)
+    L, ok = batched_cholesky(G)
     WB = Wp * B0
-    x = cholesky_solve(L, A.T @ WB)
+    x = cholesky_solve(L, colmm(A.T, WB))
     conv = ok
     for _ in range(REFINE_STEPS):
-        g = A.T @ (WB - Wp * (A @ x))
+        g = colmm(A.T, WB - Wp * colmm(A, x))
         if lam:
             g = g - lam * x
         dx = cholesky_solve(L, g)
@@ -187,16 +231,16 @@ def _dual(
     missing = (S == 0).to(A.dtype)
     idx = torch.arange(obs, device=A.device)
     K[idx, idx] += lam * (1 - missing) + missing
-    L, ok = batched_cholesky(K, tol=obs * EPS64 * 16)
+    L, ok = batched_cholesky(K)
     z = S * B0
     alpha = cholesky_solve(L, z)
-    x = A.T @ (S * alpha)
+    x = colmm(A.T, S * alpha)
     conv = ok
     for _ in range(REFINE_STEPS):
-        r = z - S * (A @ x) - lam * alpha
+        r = z - S * colmm(A, x) - lam * alpha
         da = cholesky_solve(L, r)
         alpha = alpha + da
-        dx = A.T @ (S * da)
+        dx = colmm(A.T, S * da)
         x = x + dx
         conv = ok & _converged(dx, x)
         if bool(conv.eq(ok).all()):
@@ -219,7 +263,8 @@ def svd_per_pixel(
         cut = pol.cutoff(obs, coef) * s[:, :1]
         keep = s > cut
         inv = torch.where(keep, 1.0 / torch.where(keep, s, torch.ones_like(s)), torch.zeros_like(s))
-    coeffs = torch.einsum("pkc,pk->pc", Vh, inv * torch.einsum("pok,po->pk", U, y))
+    proj = stable_sum(U * y[:, :, None], dim=1)  # Uᵀy per pixel: (P, k)
+    coeffs = stable_sum(Vh * (inv * proj)[:, :, None], dim=1)  # (P, coef)
     return coeffs.T
 
 

@@ -238,8 +238,8 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
     ):
         if name is not None and name not in ds.variables:
             problems.append(
-                f"{field}: variable {name!r} is not in the file{suggest(name, names)} "
-                f"(variables: {', '.join(names)})"
+                f"{field}: variable {name!r} is not in the file "
+                f"(variables: {', '.join(names)}).{suggest(name, names)}"
             )
     if problems:
         raise ContractError(

@@ -132,8 +132,8 @@ def run_tile(
 ) -> StageOutput:
     """Coefficients, residual RMS, valid counts and status of one tile."""
     load = inputs["load"]
-    A = np.asarray(prepared.array("A"))
-    sqrtw = np.asarray(prepared.array("sqrtw"))
+    A = np.array(prepared.array("A"))
+    sqrtw = np.array(prepared.array("sqrtw"))
     n_obs, coef = A.shape
     dtype = np.dtype(config.dtype)
     device = resolve_device(config.device)
@@ -172,7 +172,7 @@ def run_tile(
             rows = patterns[g]
             if np.array_equal(rows, full):
                 P, st, cond = (
-                    np.asarray(prepared.array("P")),
+                    np.array(prepared.array("P")),
                     linalg.OK,
                     float(prepared.meta["cond"]),
                 )
@@ -191,11 +191,11 @@ def run_tile(
                 Bg = np.where(valid[np.ix_(rows, idx)], Bg, 0)
             Pt = torch.from_numpy(np.ascontiguousarray(P, dtype=gdtype)).to(device)
             Bt = torch.from_numpy(np.ascontiguousarray(Bg, dtype=gdtype)).to(device)
-            Ct = Pt @ Bt
+            Ct = linalg.colmm(Pt, Bt)
             At = torch.from_numpy(np.ascontiguousarray(A[rows], dtype=gdtype)).to(device)
-            R = Bt - At @ Ct
+            R = Bt - linalg.colmm(At, Ct)
             C[:, idx] = Ct.cpu().numpy()
-            rms[idx] = torch.sqrt((R * R).mean(0)).cpu().numpy()
+            rms[idx] = torch.sqrt(linalg.stable_sum(R * R) / R.shape[0]).cpu().numpy()
             status[idx] = st
 
     todo = np.flatnonzero(per_pixel)
@@ -216,9 +216,12 @@ def run_tile(
             else:
                 Wp = w_shared * Vt_
             x, px_status = linalg.solve_per_pixel(At, B0, Wp, pol)
-            R = torch.where(Vt_, B0 - At @ x, torch.zeros((), dtype=torch.float64, device=device))
+            R = torch.where(
+                Vt_, B0 - linalg.colmm(At, x), torch.zeros((), dtype=torch.float64, device=device)
+            )
             C[:, sel] = x.cpu().numpy().astype(dtype)
-            rms[sel] = torch.sqrt((R * R).sum(0) / Vt_.sum(0)).cpu().numpy().astype(dtype)
+            n_v = torch.from_numpy(n_valid[sel].astype(np.float64)).to(device)
+            rms[sel] = torch.sqrt(linalg.stable_sum(R * R) / n_v).cpu().numpy().astype(dtype)
             status[sel] = px_status.cpu().numpy()
         rms[todo[status[todo] == linalg.SINGULAR]] = np.nan
 

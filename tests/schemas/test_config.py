@@ -1,0 +1,163 @@
+"""Config validation: every problem at once, by name, with fixes; keys ignore speed-only fields."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from schemas.config import (
+    DEMO_DEFAULTS,
+    LstsqSolve,
+    NetCDFWrite,
+    PipelineConfig,
+    apply_overrides,
+    build_config,
+    load_config,
+    parse_size,
+)
+from schemas.errors import ConfigError
+from stages.hashing import canonical_json
+
+
+def _write(tmp_path: Path, raw: dict) -> Path:
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def test_demo_defaults_validate_and_round_trip() -> None:
+    cfg = build_config(DEMO_DEFAULTS)
+    again = build_config(json.loads(cfg.model_dump_json()))
+    assert again == cfg
+    assert cfg.solve.impl == "lstsq" and cfg.model.impl == "multidim_linear"
+
+
+def test_every_violation_is_reported_at_once() -> None:
+    raw = {
+        **DEMO_DEFAULTS,
+        "solve": {"policy": "ridge", "ridge": -1.0, "dtipe": "float32"},
+        "write": {"complevel": 12},
+    }
+    with pytest.raises(ConfigError) as err:
+        build_config(raw)
+    text = str(err.value)
+    assert "solve.ridge" in text and "greater than or equal to 0" in text
+    assert "solve.dtipe: unknown key" in text
+    assert "write.complevel" in text and "12" in text
+    assert "gridsolve schema" in text  # the fix
+
+
+def test_unknown_impl_lists_known_and_suggests() -> None:
+    with pytest.raises(ConfigError) as err:
+        build_config({**DEMO_DEFAULTS, "design": {"impl": "polynomal"}})
+    text = str(err.value)
+    assert "unknown design implementation 'polynomal'" in text
+    assert "Did you mean 'polynomial'?" in text
+    for known in ("harmonic", "polynomial", "random", "variable"):
+        assert known in text
+
+
+def test_design_without_impl_asks_for_one() -> None:
+    with pytest.raises(ConfigError, match="choose an implementation with impl"):
+        build_config({**DEMO_DEFAULTS, "design": {"degree": 2}})
+
+
+def test_ridge_policy_needs_positive_lambda() -> None:
+    with pytest.raises(ConfigError, match="policy=ridge needs ridge > 0"):
+        build_config({**DEMO_DEFAULTS, "solve": {"policy": "ridge"}})
+
+
+def test_cross_stage_checks() -> None:
+    raw = {**DEMO_DEFAULTS, "design": {"impl": "variable"}, "model": {"objective": "mse"}}
+    with pytest.raises(ConfigError) as err:
+        build_config(raw)
+    assert "set load.design" in str(err.value)
+    assert "set load.target" in str(err.value)
+
+
+def test_overrides_parse_yaml_values_and_reject_garbage() -> None:
+    raw = apply_overrides(
+        {"solve": {"policy": "minnorm"}},
+        ["solve.ridge=0.5", "solve.policy=ridge", "model.kwargs.a=[1, 2]"],
+    )
+    assert raw["solve"] == {"policy": "ridge", "ridge": 0.5}
+    assert raw["model"]["kwargs"]["a"] == [1, 2]
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        apply_overrides({}, ["solve.ridge"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        apply_overrides({"solve": {"ridge": 1}}, ["solve.ridge.x=1"])
+
+
+def test_relative_paths_resolve_against_config_folder(tmp_path: Path) -> None:
+    p = _write(
+        tmp_path,
+        {
+            "load": {"path": "data/cube.nc"},
+            "design": {"impl": "polynomial"},
+            "write": {"path": "out.nc"},
+            "cache": {"root": "c"},
+        },
+    )
+    cfg = load_config(p)
+    assert cfg.load.path == str(tmp_path / "data" / "cube.nc")
+    assert cfg.write.path == str(tmp_path / "out.nc")
+    assert cfg.cache.root == str(tmp_path / "c")
+
+
+def test_missing_and_invalid_config_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("load: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(lst)
+
+
+def test_speed_fields_do_not_change_key_payload_but_result_fields_do() -> None:
+    a = LstsqSolve()
+    assert canonical_json(a.key_payload()) == canonical_json(
+        LstsqSolve(device="cpu", chunk_pixels=7).key_payload()
+    )
+    assert canonical_json(a.key_payload()) != canonical_json(
+        LstsqSolve(dtype="float64").key_payload()
+    )
+    assert LstsqSolve.speed_fields() == {"device", "chunk_pixels"}
+
+
+def test_templated_paths_accept_known_placeholders_only() -> None:
+    NetCDFWrite(path="out-{scheduled_date}-{flow_run_name}.nc")
+    with pytest.raises(ValueError, match="unknown placeholder"):
+        NetCDFWrite(path="out-{user}.nc")
+
+
+def test_json_schema_lists_every_impl_with_bounds() -> None:
+    schema = PipelineConfig.model_json_schema()
+    text = json.dumps(schema)
+    for impl in (
+        "netcdf",
+        "demo",
+        "polynomial",
+        "harmonic",
+        "random",
+        "variable",
+        "lstsq",
+        "multidim_linear",
+        "module",
+    ):
+        assert f'"const": "{impl}"' in text
+    solve = schema["properties"]["solve"]
+    assert solve["properties"]["ridge"]["minimum"] == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "n"), [("2GiB", 2 * 2**30), ("512MB", 512 * 10**6), ("1000", 1000), ("1.5KiB", 1536)]
+)
+def test_parse_size(text: str, n: int) -> None:
+    assert parse_size(text) == n

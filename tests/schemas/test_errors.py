@@ -1,0 +1,34 @@
+"""Errors render stage, expectation, finding and fix, and survive pickling (Dask, Prefect)."""
+
+from __future__ import annotations
+
+import pickle
+
+from schemas.errors import ContractError, GridsolveError, NumericalError
+
+
+def test_render_has_every_part() -> None:
+    err = NumericalError(
+        "cannot solve", stage="solve/lstsq", expected="full rank", found="rank 3", fix="use ridge"
+    )
+    text = str(err)
+    assert text.splitlines()[0] == "numerical error: [solve/lstsq] cannot solve"
+    assert (
+        "expected: full rank" in text
+        and "found:    rank 3" in text
+        and "fix:      use ridge" in text
+    )
+
+
+def test_violations_are_all_listed_and_stage_is_added_once() -> None:
+    err = ContractError("bad", violations=["a", "b"]).with_stage("load/netcdf")
+    assert "[load/netcdf]" in str(err) and "  - a" in str(err) and "  - b" in str(err)
+    err.with_stage("other")
+    assert "[load/netcdf]" in str(err) and "other" not in str(err)
+
+
+def test_pickle_round_trip_keeps_type_and_message() -> None:
+    err = ContractError("bad", stage="s", violations=["x"], fix="f")
+    back = pickle.loads(pickle.dumps(err))
+    assert isinstance(back, ContractError) and isinstance(back, GridsolveError)
+    assert str(back) == str(err)

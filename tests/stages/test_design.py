@@ -1,0 +1,76 @@
+"""Design matrices against independent formulas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from testkit import Chain, make_ds
+
+from schemas.config import (
+    HarmonicDesign,
+    NetCDFLoad,
+    PolynomialDesign,
+    RandomDesign,
+    VariableDesign,
+)
+from schemas.errors import ContractError
+
+
+def _days(ds: Any) -> np.ndarray:
+    return (ds["time"].values - np.datetime64("1970-01-01")) / np.timedelta64(1, "D")
+
+
+def test_polynomial_scaled_is_vander_of_centred_time(chain: Chain, cube_path: Path) -> None:
+    chain.whole("load", NetCDFLoad(path=str(cube_path)))
+    art = chain.whole("design", PolynomialDesign(degree=3))
+    d = _days(make_ds())
+    t = (d - (d.min() + d.max()) / 2) / ((d.max() - d.min()) / 2)
+    np.testing.assert_allclose(art.array("A"), np.vander(t, 4, increasing=True), rtol=0, atol=1e-14)
+    assert art.meta["columns"] == ["t^0", "t^1", "t^2", "t^3"]
+    assert art.meta["t_units"] == "days since 1970-01-01"
+    assert art.meta["rank"] == 4 and art.meta["cond"] < 50
+
+
+def test_polynomial_unscaled_uses_raw_days(chain: Chain, cube_path: Path) -> None:
+    chain.whole("load", NetCDFLoad(path=str(cube_path)))
+    art = chain.whole("design", PolynomialDesign(degree=1, scale=False))
+    np.testing.assert_allclose(art.array("A")[:, 1], _days(make_ds()))
+
+
+def test_harmonic_matches_formula(chain: Chain, cube_path: Path) -> None:
+    chain.whole("load", NetCDFLoad(path=str(cube_path)))
+    art = chain.whole("design", HarmonicDesign(harmonics=2, period=10.0, trend=False))
+    d = _days(make_ds())
+    c = (d.min() + d.max()) / 2
+    w = 2 * np.pi * (d - c) / 10.0
+    expected = np.stack([np.ones_like(d), np.cos(w), np.sin(w), np.cos(2 * w), np.sin(2 * w)], 1)
+    np.testing.assert_allclose(art.array("A"), expected, atol=1e-12)
+
+
+def test_random_is_seeded(chain: Chain, cube_path: Path) -> None:
+    chain.whole("load", NetCDFLoad(path=str(cube_path)))
+    a = np.array(chain.whole("design", RandomDesign(coef=7, seed=3)).array("A"))
+    assert a.shape == (12, 7)
+    np.testing.assert_array_equal(a, np.random.default_rng(3).standard_normal((12, 7)))
+
+
+def test_variable_design_from_file(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds()
+    A = np.random.default_rng(1).standard_normal((12, 4))
+    ds["A"] = (("basis", "time"), A.T)  # stored transposed on purpose
+    ds = ds.assign_coords(basis=["a", "b", "c", "d"])
+    path = write_cube(ds, "d.nc")
+    chain.whole("load", NetCDFLoad(path=str(path), variable="signal", design="A"))
+    art = chain.whole("design", VariableDesign())
+    np.testing.assert_array_equal(art.array("A"), A)
+    assert art.meta["columns"] == ["a", "b", "c", "d"]
+
+
+def test_generated_design_needs_numeric_obs(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds().assign_coords(time=[f"t{i}" for i in range(12)])
+    chain.whole("load", NetCDFLoad(path=str(write_cube(ds, "s.nc"))))
+    with pytest.raises(ContractError, match="numeric or datetime observation coordinate"):
+        chain.whole("design", PolynomialDesign())

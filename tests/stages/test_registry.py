@@ -1,0 +1,77 @@
+"""Registering implementations from outside gridsolve, and choosing them by config alone."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from testkit import Chain
+
+import stages.registry as registry
+from schemas.config import DEMO_DEFAULTS, NetCDFLoad, PipelineConfig, build_config
+from schemas.errors import ConfigError
+
+
+@pytest.fixture
+def legendre() -> Any:
+    import my_stage
+
+    my_stage.install()
+    yield my_stage
+    my_stage.uninstall()
+
+
+def test_explicit_registration_is_selected_by_config(
+    legendre: Any, chain: Chain, cube_path: Path
+) -> None:
+    cfg = build_config({**DEMO_DEFAULTS, "design": {"impl": "legendre", "degree": 2}})
+    assert type(cfg.design).__name__ == "LegendreDesign"
+    chain.whole("load", NetCDFLoad(path=str(cube_path)))
+    art = chain.whole("design", cfg.design)
+    np.testing.assert_allclose(
+        np.array(art.array("A"))[:, 2], 1.5 * np.linspace(-1, 1, 12) ** 2 - 0.5
+    )
+    assert '"const": "legendre"' in str(PipelineConfig.model_json_schema()).replace("'", '"')
+    with pytest.raises(ConfigError, match="less than or equal to 20"):
+        build_config({**DEMO_DEFAULTS, "design": {"impl": "legendre", "degree": 99}})
+
+
+def test_duplicate_and_mismatched_registrations_are_refused(legendre: Any) -> None:
+    with pytest.raises(ConfigError, match="already registered"):
+        registry.register(registry.StageDecl(**{**legendre.DECL.__dict__, "version": "2"}))
+    with pytest.raises(ConfigError, match="impl default is 'legendre'"):
+        registry.register(registry.StageDecl(**{**legendre.DECL.__dict__, "impl": "other"}))
+
+
+def test_entry_point_plugin_is_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "ep_plugin.py").write_text(
+        "import my_stage\n\ndef register_all():\n    my_stage.install()\n"
+    )
+    dist = tmp_path / "gridsolve_ep_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: gridsolve-ep-plugin\nVersion: 0.1\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        "[gridsolve.stages]\nlegendre = ep_plugin:register_all\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    try:
+        assert "legendre" in registry.implementations("design")
+        cfg = build_config({**DEMO_DEFAULTS, "design": {"impl": "legendre"}})
+        assert cfg.design.impl == "legendre"
+    finally:
+        registry.unregister("design", "legendre")
+    assert "ep_plugin" in sys.modules
+
+
+def test_unknown_impl_lists_registered_ones() -> None:
+    with pytest.raises(ConfigError) as err:
+        registry.get("solve", "lsqr")
+    assert "lstsq" in str(err.value) and "Did you mean 'lstsq'?" in str(err.value)

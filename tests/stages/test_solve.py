@@ -1,0 +1,305 @@
+"""The solve stage against numpy/scipy least squares, per pixel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from testkit import Chain, make_ds
+
+from schemas.artifacts import Tile
+from schemas.config import (
+    HarmonicDesign,
+    LstsqSolve,
+    NetCDFLoad,
+    PolynomialDesign,
+    RandomDesign,
+    SVDNormalEquations,
+    VariableDesign,
+)
+from schemas.contracts import STATUS_CODES
+from schemas.errors import NumericalError
+
+
+def solve_cube(
+    chain: Chain,
+    path: Any,
+    design_cfg: Any,
+    solve_cfg: LstsqSolve,
+    tiles: list[Tile] | None = None,
+    **load: Any,
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    chain.whole("load", NetCDFLoad(path=str(path), **load))
+    A = np.array(chain.whole("design", design_cfg).array("A"))
+    chain.whole("normal_equations", SVDNormalEquations())
+    arts = chain.tiled("solve", solve_cfg, tiles)
+    meta = chain.refs["load"].meta
+    out = {
+        "coefficients": np.full((A.shape[1], meta["ny"], meta["nx"]), np.nan),
+        "residual_rms": np.full((meta["ny"], meta["nx"]), np.nan),
+        "n_valid": np.zeros((meta["ny"], meta["nx"]), int),
+        "status": np.zeros((meta["ny"], meta["nx"]), int),
+    }
+    tiles = tiles or [Tile(index=0, y0=0, y1=meta["ny"], x0=0, x1=meta["nx"])]
+    for t, art in zip(tiles, arts, strict=True):
+        for k in out:
+            out[k][..., t.y0 : t.y1, t.x0 : t.x1] = art.array(k)
+    return A, out
+
+
+def per_pixel_lstsq(A: np.ndarray, cube: np.ndarray) -> np.ndarray:
+    coef = np.empty((A.shape[1], *cube.shape[1:]))
+    for j in range(cube.shape[1]):
+        for i in range(cube.shape[2]):
+            coef[:, j, i] = np.linalg.lstsq(A, cube[:, j, i], rcond=None)[0]
+    return coef
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.linalg.norm(a - b, axis=0) / np.linalg.norm(b, axis=0)))
+
+
+def test_minnorm_when_coef_exceeds_obs(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds(n_obs=12, ny=5, nx=4)
+    A, out = solve_cube(chain, write_cube(ds), RandomDesign(coef=20), LstsqSolve(dtype="float64"))
+    ref = per_pixel_lstsq(A, ds["signal"].values)
+    assert rel_err(out["coefficients"], ref) < 1e-10
+    assert (out["status"] == 0).all() and (out["n_valid"] == 12).all()
+    np.testing.assert_allclose(out["residual_rms"], 0, atol=1e-10)  # rank 12 = obs: exact fit
+    # the naive fix, torch.linalg.solve(AᵀA, Aᵀb), has no solution to give here:
+    assert np.linalg.matrix_rank(A.T @ A) == 12 < 20
+
+
+def test_well_posed_harmonic_float64(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds(n_obs=30, ny=4, nx=4)
+    A, out = solve_cube(
+        chain, write_cube(ds), HarmonicDesign(harmonics=2), LstsqSolve(dtype="float64")
+    )
+    ref = per_pixel_lstsq(A, ds["signal"].values)
+    assert rel_err(out["coefficients"], ref) < 1e-10
+    resid = ds["signal"].values - np.einsum("oc,cyx->oyx", A, ref)
+    np.testing.assert_allclose(out["residual_rms"], np.sqrt((resid**2).mean(0)), rtol=1e-8)
+
+
+@pytest.mark.parametrize("policy", ["cholesky", "minnorm"])
+def test_float32_close_to_float64_oracle(chain: Chain, write_cube: Any, policy: str) -> None:
+    ds = make_ds(n_obs=30, ny=4, nx=4, dtype="float32")
+    A, out = solve_cube(
+        chain, write_cube(ds), PolynomialDesign(degree=3), LstsqSolve(policy=policy)
+    )
+    ref = per_pixel_lstsq(A, ds["signal"].values.astype(np.float64))
+    assert rel_err(out["coefficients"], ref) < 1e-5
+
+
+def test_ridge_is_the_closed_form(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds(n_obs=12, ny=3, nx=3)
+    A, out = solve_cube(
+        chain,
+        write_cube(ds),
+        RandomDesign(coef=20),
+        LstsqSolve(policy="ridge", ridge=0.3, dtype="float64"),
+    )
+    b = ds["signal"].values.reshape(12, -1)
+    ref = np.linalg.solve(A.T @ A + 0.3 * np.eye(20), A.T @ b).reshape(20, 3, 3)
+    assert rel_err(out["coefficients"], ref) < 1e-10
+
+
+def test_cholesky_refuses_coef_above_obs(chain: Chain, write_cube: Any) -> None:
+    with pytest.raises(NumericalError) as err:
+        solve_cube(
+            chain, write_cube(make_ds()), RandomDesign(coef=20), LstsqSolve(policy="cholesky")
+        )
+    text = str(err.value)
+    assert "coef (20) > obs (12)" in text and "solve.policy: minnorm" in text
+
+
+def test_cholesky_refuses_rank_deficient_design(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds()
+    A = np.random.default_rng(0).standard_normal((12, 4))
+    A[:, 3] = A[:, 0] + A[:, 1]
+    ds["A"] = (("time", "coef"), A)
+    with pytest.raises(NumericalError, match="rank 3 < coef 4"):
+        solve_cube(
+            chain,
+            write_cube(ds),
+            VariableDesign(),
+            LstsqSolve(policy="cholesky"),
+            variable="signal",
+            design="A",
+        )
+
+
+def test_minnorm_on_rank_deficient_design_matches_lstsq(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds()
+    A = np.random.default_rng(0).standard_normal((12, 4))
+    A[:, 3] = A[:, 0] + A[:, 1]
+    ds["A"] = (("time", "coef"), A)
+    _, out = solve_cube(
+        chain,
+        write_cube(ds),
+        VariableDesign(),
+        LstsqSolve(dtype="float64"),
+        variable="signal",
+        design="A",
+    )
+    assert rel_err(out["coefficients"], per_pixel_lstsq(A, ds["signal"].values)) < 1e-10
+
+
+def test_float32_refused_for_ill_conditioned_design(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds(n_obs=40, datetime_obs=False)
+    ds = ds.assign_coords(time=np.arange(40.0) + 1000.0)
+    with pytest.raises(NumericalError) as err:
+        solve_cube(
+            chain,
+            write_cube(ds),
+            PolynomialDesign(degree=3, scale=False),
+            LstsqSolve(dtype="float32"),
+        )
+    assert "float32 is too coarse" in str(err.value) and "solve.dtype: float64" in str(err.value)
+
+
+def test_tiles_give_bit_identical_results(chain: Chain, write_cube: Any, ctx: Any) -> None:
+    ds = make_ds(n_obs=12, ny=7, nx=5, nan_fraction=0.2)
+    path = write_cube(ds)
+    _, whole = solve_cube(chain, path, RandomDesign(coef=5), LstsqSolve())
+    tiles = [
+        Tile(index=0, y0=0, y1=3, x0=0, x1=5),
+        Tile(index=1, y0=3, y1=7, x0=0, x1=2),
+        Tile(index=2, y0=3, y1=7, x0=2, x1=5),
+    ]
+    _, tiled = solve_cube(Chain(ctx), path, RandomDesign(coef=5), LstsqSolve(), tiles)
+    for k in whole:
+        np.testing.assert_array_equal(whole[k], tiled[k])
+
+
+def test_gaps_are_solved_per_pixel_and_flagged(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds(n_obs=12, ny=4, nx=4)
+    v = ds["signal"].values
+    v[:, 0, 0] = np.nan  # all missing
+    v[:-2, 0, 1] = np.nan  # two valid of four coefficients
+    v[[1, 4, 7], 1, 1] = np.nan  # a few gaps
+    A, out = solve_cube(
+        chain,
+        write_cube(ds),
+        PolynomialDesign(degree=3),
+        LstsqSolve(policy="cholesky", dtype="float64"),
+    )
+    assert out["status"][0, 0] == STATUS_CODES["all_missing"] and out["n_valid"][0, 0] == 0
+    assert out["status"][0, 1] == STATUS_CODES["too_few_observations"] and out["n_valid"][0, 1] == 2
+    assert (
+        np.isnan(out["coefficients"][:, 0, :2]).all() and np.isnan(out["residual_rms"][0, :2]).all()
+    )
+    ok = ~np.isnan(v[:, 1, 1])
+    ref = np.linalg.lstsq(A[ok], v[ok, 1, 1], rcond=None)[0]
+    np.testing.assert_allclose(out["coefficients"][:, 1, 1], ref, rtol=1e-10)
+    assert out["n_valid"][1, 1] == 9 and out["status"][1, 1] == 0
+
+
+def test_agrees_with_xarray_polyfit_skipna(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds(n_obs=40, ny=6, nx=6, nan_fraction=0.2, datetime_obs=False)
+    ds["signal"][:, 0, 0] = np.nan
+    ds["signal"][:37, 1, 0] = np.nan  # 3 valid < 4 coefficients
+    _, out = solve_cube(
+        chain, write_cube(ds), PolynomialDesign(degree=3, scale=False), LstsqSolve(dtype="float64")
+    )
+    fit = ds["signal"].polyfit("time", 3, skipna=True)["polyfit_coefficients"]
+    ref = fit.sel(degree=[0, 1, 2, 3]).values  # polyfit orders highest degree first
+    both = np.isfinite(ref).all(0) & (out["n_valid"] >= 4)
+    assert both.sum() >= 30
+    np.testing.assert_allclose(out["coefficients"][:, both], ref[:, both], rtol=1e-8, atol=1e-10)
+
+
+def test_weights_equal_lstsq_on_scaled_rows(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds(n_obs=15, ny=3, nx=4, nan_fraction=0.1)
+    rng = np.random.default_rng(2)
+    W = rng.random((15, 3, 4)) + 0.1
+    W[0, 0, 0] = 0.0  # a zero weight drops an observation
+    ds["w"] = (("time", "y", "x"), W)
+    A, out = solve_cube(
+        chain,
+        write_cube(ds),
+        PolynomialDesign(degree=2),
+        LstsqSolve(dtype="float64"),
+        variable="signal",
+        weights="w",
+    )
+    b = ds["signal"].values
+    for j in range(3):
+        for i in range(4):
+            ok = np.isfinite(b[:, j, i]) & (W[:, j, i] > 0)
+            s = np.sqrt(W[ok, j, i])
+            ref = np.linalg.lstsq(A[ok] * s[:, None], b[ok, j, i] * s, rcond=None)[0]
+            np.testing.assert_allclose(out["coefficients"][:, j, i], ref, rtol=1e-9)
+            assert out["n_valid"][j, i] == ok.sum()
+
+
+def test_shared_weights_match_weighted_lstsq(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds(n_obs=15, ny=3, nx=3)
+    w = np.linspace(0.5, 2.0, 15)
+    ds["w"] = ("time", w)
+    A, out = solve_cube(
+        chain,
+        write_cube(ds),
+        PolynomialDesign(degree=2),
+        LstsqSolve(dtype="float64"),
+        variable="signal",
+        weights="w",
+    )
+    s = np.sqrt(w)
+    ref = np.linalg.lstsq(
+        A * s[:, None], ds["signal"].values.reshape(15, -1) * s[:, None], rcond=None
+    )[0]
+    np.testing.assert_allclose(out["coefficients"].reshape(3, -1), ref, rtol=1e-10)
+
+
+def test_shared_gap_pattern_uses_one_factorisation(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds(n_obs=12, ny=8, nx=8)
+    ds["signal"][3] = np.nan  # one time step missing everywhere
+    A, out = solve_cube(
+        chain, write_cube(ds), PolynomialDesign(degree=2), LstsqSolve(dtype="float64")
+    )
+    paths = chain.runs["solve"][0].ref.meta["paths"]
+    assert paths["pattern"] == 64 and paths["per_pixel"] == 0
+    keep = np.arange(12) != 3
+    ref = np.linalg.lstsq(A[keep], ds["signal"].values[keep].reshape(11, -1), rcond=None)[0]
+    np.testing.assert_allclose(out["coefficients"].reshape(3, -1), ref, rtol=1e-10)
+    assert (out["n_valid"] == 11).all()
+
+
+def test_cholesky_pixel_that_fails_falls_back_and_is_flagged(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds(n_obs=12, ny=2, nx=2)
+    A = np.random.default_rng(4).standard_normal((12, 3))
+    A[6:, 2] = 0.0  # the last column lives in the first six observations only
+    ds["A"] = (("time", "coef"), A)
+    ds["signal"][:6, 0, 0] = np.nan  # …which pixel (0, 0) lacks: its own system is singular
+    _, out = solve_cube(
+        chain,
+        write_cube(ds),
+        VariableDesign(),
+        LstsqSolve(policy="cholesky", min_valid=3, dtype="float64"),
+        variable="signal",
+        design="A",
+    )
+    assert out["status"][0, 0] == STATUS_CODES["fell_back_to_minimum_norm"]
+    ref = np.linalg.lstsq(A[6:], ds["signal"].values[6:, 0, 0], rcond=None)[0]
+    np.testing.assert_allclose(out["coefficients"][:, 0, 0], ref, rtol=1e-9, atol=1e-12)
+    assert (out["status"].ravel()[1:] == 0).all()
+
+
+def test_fallback_none_gives_nan_and_singular(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds(n_obs=12, ny=2, nx=2)
+    A = np.random.default_rng(4).standard_normal((12, 3))
+    A[6:, 2] = 0.0
+    ds["A"] = (("time", "coef"), A)
+    ds["signal"][:6, 0, 0] = np.nan
+    _, out = solve_cube(
+        chain,
+        write_cube(ds),
+        VariableDesign(),
+        LstsqSolve(policy="cholesky", fallback="none", min_valid=3, dtype="float64"),
+        variable="signal",
+        design="A",
+    )
+    assert out["status"][0, 0] == STATUS_CODES["singular"]
+    assert np.isnan(out["coefficients"][:, 0, 0]).all() and np.isnan(out["residual_rms"][0, 0])

@@ -1,0 +1,154 @@
+"""Property tests: every pixel equals numpy.linalg.lstsq on its valid rows, or is flagged.
+
+Random shapes, masks (all-missing pixels, missing time steps, single valid
+observations), weights, and well-, ill-conditioned or rank-deficient designs.
+Tolerance: 1e-8 relative for float64, loosened only by the conditioning of the
+pixel's own sub-problem (100·κ·eps), which bounds how far any two backward-stable
+solvers may differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from schemas.contracts import STATUS_CODES
+from stages import linalg
+from stages.linalg import Policy
+
+EPS = np.finfo(np.float64).eps
+
+
+@st.composite
+def problems(draw: Any) -> dict[str, Any]:
+    n_obs = draw(st.integers(1, 14))
+    coef = draw(st.integers(1, 8))
+    n_px = draw(st.integers(1, 24))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    kind = draw(st.sampled_from(["well", "ill", "deficient"]))
+    A = rng.standard_normal((n_obs, coef))
+    if kind == "ill" and min(n_obs, coef) > 1:
+        U, _, Vt = np.linalg.svd(A, full_matrices=False)
+        s = np.logspace(0, -draw(st.integers(2, 6)), min(n_obs, coef))
+        A = (U * s) @ Vt
+    elif kind == "deficient" and coef > 1:
+        A[:, -1] = A[:, 0] if draw(st.booleans()) else 0.0
+    B = rng.standard_normal((n_obs, n_px))
+    p_nan = draw(st.sampled_from([0.0, 0.2, 0.6]))
+    M = rng.random((n_obs, n_px)) >= p_nan
+    if n_px > 2:
+        M[:, 0] = False  # an all-missing pixel
+        M[:, 1] = False
+        M[rng.integers(n_obs), 1] = True  # a single valid observation
+    if n_obs > 2 and draw(st.booleans()):
+        M[rng.integers(n_obs), :] = False  # a missing time step everywhere
+    W = rng.random((n_obs, n_px)) + 0.2 if draw(st.booleans()) else np.ones((n_obs, n_px))
+    return {"A": A, "B": B, "M": M, "W": W}
+
+
+def _oracle(A: np.ndarray, b: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, float]:
+    s = np.sqrt(w)
+    X = A * s[:, None]
+    c = np.linalg.lstsq(X, b * s, rcond=None)[0]
+    sv = np.linalg.svd(X, compute_uv=False)
+    kept = sv[sv > EPS * max(X.shape) * sv[0]] if sv.size and sv[0] > 0 else sv[:0]
+    kappa = float(kept[0] / kept[-1]) if kept.size else 1.0
+    return c, kappa
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_per_pixel_minnorm_equals_lstsq_on_valid_rows(p: dict[str, Any]) -> None:
+    A, B, M, W = p["A"], p["B"], p["M"], p["W"]
+    Wp = np.where(M, W, 0.0)
+    B0 = np.where(M, B, 0.0)
+    n_valid = M.sum(0)
+    todo = np.flatnonzero(n_valid >= 1)
+    if todo.size == 0:
+        return
+    x, status = linalg.solve_per_pixel(
+        torch.from_numpy(A),
+        torch.from_numpy(B0[:, todo]),
+        torch.from_numpy(Wp[:, todo]),
+        Policy("minnorm"),
+    )
+    x = x.numpy()
+    assert (status.numpy() == STATUS_CODES["ok"]).all()
+    for j, px in enumerate(todo):
+        ok = M[:, px]
+        ref, kappa = _oracle(A[ok], B[ok, px], W[ok, px])
+        tol = max(1e-8, 100 * kappa * EPS)
+        err = np.linalg.norm(x[:, j] - ref)
+        assert err <= tol * max(np.linalg.norm(ref), 1e-300) + 1e-13, (err, tol, kappa)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems(), st.floats(1e-4, 10.0))
+def test_per_pixel_ridge_equals_closed_form(p: dict[str, Any], lam: float) -> None:
+    A, B, M, W = p["A"], p["B"], p["M"], p["W"]
+    Wp = np.where(M, W, 0.0)
+    B0 = np.where(M, B, 0.0)
+    x, _ = linalg.solve_per_pixel(
+        torch.from_numpy(A), torch.from_numpy(B0), torch.from_numpy(Wp), Policy("ridge", ridge=lam)
+    )
+    x = x.numpy()
+    for px in range(B.shape[1]):
+        G = A.T @ (Wp[:, px, None] * A) + lam * np.eye(A.shape[1])
+        ref = np.linalg.solve(G, A.T @ (Wp[:, px] * B0[:, px]))
+        kappa = np.linalg.cond(G)
+        tol = max(1e-8, 100 * kappa * EPS)
+        assert np.linalg.norm(x[:, px] - ref) <= tol * max(np.linalg.norm(ref), 1e-300) + 1e-13
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_cholesky_policy_solves_or_flags(p: dict[str, Any]) -> None:
+    A, B, M = p["A"], p["B"], p["M"]
+    coef = A.shape[1]
+    Wp = M.astype(float)
+    B0 = np.where(M, B, 0.0)
+    todo = np.flatnonzero(M.sum(0) >= coef)
+    if todo.size == 0:
+        return
+    x, status = linalg.solve_per_pixel(
+        torch.from_numpy(A),
+        torch.from_numpy(B0[:, todo]),
+        torch.from_numpy(Wp[:, todo]),
+        Policy("cholesky", fallback="minnorm"),
+    )
+    x, status = x.numpy(), status.numpy()
+    for j, px in enumerate(todo):
+        ok = M[:, px]
+        ref, kappa = _oracle(A[ok], B[ok, px], np.ones(ok.sum()))
+        full_rank = np.linalg.matrix_rank(A[ok]) == coef
+        if status[j] == STATUS_CODES["ok"]:
+            assert full_rank
+        else:
+            assert status[j] == STATUS_CODES["fell_back_to_minimum_norm"]
+        tol = max(1e-8, 100 * kappa * EPS)
+        assert np.linalg.norm(x[:, j] - ref) <= tol * max(np.linalg.norm(ref), 1e-300) + 1e-13
+
+
+@pytest.mark.parametrize("coef", [3, 40])
+def test_dual_and_primal_agree_with_lstsq_at_scale(coef: int) -> None:
+    rng = np.random.default_rng(coef)
+    A = rng.standard_normal((20, coef))
+    B = rng.standard_normal((20, 3000))
+    M = rng.random(B.shape) > 0.3
+    x, _ = linalg.solve_per_pixel(
+        torch.from_numpy(A),
+        torch.from_numpy(np.where(M, B, 0.0)),
+        torch.from_numpy(M.astype(float)),
+        Policy("minnorm"),
+    )
+    x = x.numpy()
+    for px in range(0, 3000, 97):
+        ok = M[:, px]
+        ref = np.linalg.lstsq(A[ok], B[ok, px], rcond=None)[0]
+        np.testing.assert_allclose(x[:, px], ref, rtol=1e-9, atol=1e-12)

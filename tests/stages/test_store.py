@@ -1,0 +1,105 @@
+"""The content-addressed store: atomic, verified, concurrent-safe, self-healing."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from schemas.errors import StoreError
+from stages.store import StageOutput, Store
+
+KEY = "0123456789abcdef0123456789abcdef"
+
+
+def _out() -> StageOutput:
+    return StageOutput(
+        arrays={"a": np.arange(6.0).reshape(2, 3), "b": np.array([1, 2], np.int8)}, meta={"m": 1}
+    )
+
+
+def test_put_then_get_round_trips(store: Store) -> None:
+    art = store.put(KEY, _out(), {"kind": "t"})
+    np.testing.assert_array_equal(art.array("a"), np.arange(6.0).reshape(2, 3))
+    assert art.array("b").dtype == np.int8
+    assert art.meta == {"m": 1} and art.info["kind"] == "t"
+    assert store.check(KEY) == ("hit", "")
+    assert store.check("f" * 32)[0] == "miss"
+
+
+def test_corrupt_artifact_is_detected_and_moved_aside(store: Store) -> None:
+    store.put(KEY, _out(), {})
+    Store._verified.clear()  # a new process would verify from scratch
+    f = store.path(KEY) / "a0.npy"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    status, why = store.lookup(KEY)
+    assert status == "corrupt" and "checksum" in why
+    assert not store.path(KEY).exists()
+    assert any(p.name.startswith(KEY) for p in (store.root / "corrupt").iterdir())
+    with pytest.raises(StoreError, match="not in the cache"):
+        store.get(KEY)
+
+
+def test_missing_file_or_manifest_is_corrupt(store: Store) -> None:
+    store.put(KEY, _out(), {})
+    (store.path(KEY) / "a1.npy").unlink()
+    assert store.check(KEY)[0] == "corrupt"
+    store.lookup(KEY)
+    store.put(KEY, _out(), {})
+    (store.path(KEY) / "manifest.json").unlink()
+    assert store.check(KEY)[0] == "corrupt"
+
+
+def test_second_writer_of_a_key_keeps_the_first(store: Store) -> None:
+    store.put(KEY, _out(), {})
+    manifest = json.loads((store.path(KEY) / "manifest.json").read_text())
+    store.put(KEY, _out(), {})
+    assert json.loads((store.path(KEY) / "manifest.json").read_text()) == manifest
+    assert list((store.root / "tmp").iterdir()) == []
+
+
+def _writer(root: str, n: int) -> None:
+    s = Store(root)
+    for _ in range(n):
+        s.put(KEY, _out(), {})
+
+
+def test_concurrent_processes_writing_one_key(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), 20)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    s = Store(tmp_path)
+    Store._verified.clear()
+    assert s.check(KEY) == ("hit", "")
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_leftovers_of_dead_writers_are_swept(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    dead = tmp_path / "tmp" / f"{socket.gethostname()}~999999999~abc"
+    dead.mkdir()
+    alive = tmp_path / "tmp" / f"{socket.gethostname()}~{os.getpid()}~abc"
+    alive.mkdir()
+    Store(s.root)
+    assert not dead.exists() and alive.exists()
+
+
+def test_unwritable_root_is_a_clear_error(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        target = Path("/proc/gridsolve-cache")  # not creatable even by root
+    else:
+        target = tmp_path / "ro" / "cache"
+        (tmp_path / "ro").mkdir(mode=0o500)
+    with pytest.raises(StoreError, match="cache"):
+        Store(target)
