@@ -8,6 +8,7 @@ Prefect UI and is not run at all.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -85,14 +86,17 @@ class StoreCachePolicy(CachePolicy):
         store = Store(cache.root)
         ctx = StageContext(store=store)
         config: StageConfig = inputs["config"]
-        key = cache_key(
-            config,
-            inputs["refs"],
-            ctx,
-            prepared=inputs.get("prepared"),
-            tile=inputs.get("tile"),
-            prepare=inputs.get("part") == "prepare",
-        )
+        try:
+            key = cache_key(
+                config,
+                inputs["refs"],
+                ctx,
+                prepared=inputs.get("prepared"),
+                tile=inputs.get("tile"),
+                prepare=inputs.get("part") == "prepare",
+            )
+        except GridsolveError:
+            return None  # the task itself raises the same error, once, with its message
         if reusable(store, key, decl_for(config)) is None:
             # Never let Prefect return a cached reference to an artifact that is gone.
             (store.root / PREFECT_RECORDS / key).unlink(missing_ok=True)
@@ -106,6 +110,25 @@ TASK_OPTIONS: dict[str, Any] = {
     "retries": 1,
     "retry_delay_seconds": 2,
 }
+
+
+class _UserErrorFilter(logging.Filter):
+    """Log a GridsolveError as its message alone: it is the user's to fix, not a bug."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, GridsolveError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def quiet_user_errors() -> None:
+    """Drop tracebacks of user errors from Prefect's log handlers (idempotent)."""
+    for name in ("prefect", ""):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _UserErrorFilter) for f in handler.filters):
+                handler.addFilter(_UserErrorFilter())
 
 
 def _ctx(cache: CacheConfig, execution: ExecutionConfig) -> StageContext:
@@ -190,6 +213,7 @@ class RunSummary(BaseModel):
     output: str
     status_counts: dict[str, int]
     tiles: int
+    flow_run_id: str | None = None
 
     @property
     def all_hit(self) -> bool:
@@ -403,6 +427,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         output=str(run.ref.meta.get("path", "")),
         status_counts=status_counts,
         tiles=len(tiles),
+        flow_run_id=str(rt_flow_run.id) if rt_flow_run.id else None,
     )
     create_table_artifact(
         table=[
@@ -436,6 +461,7 @@ def pipeline(
     execution: ExecutionConfig = ExecutionConfig(),
 ) -> RunSummary:
     """Fit every pixel, run the single-sample model with per-sample gradients, write NetCDF."""
+    quiet_user_errors()
     cfg = build_config(
         {
             "load": load,
@@ -456,3 +482,6 @@ def run_config(cfg: PipelineConfig) -> RunSummary:
     params = {k: getattr(cfg, k) for k in PipelineConfig.model_fields}
     summary: RunSummary = pipeline(**params)
     return summary
+
+
+quiet_user_errors()

@@ -116,27 +116,24 @@ def svd_operator(
 
 
 # ---------------------------------------------------------------- per pixel
-# Every operation along the pixel axis is either elementwise or a matrix
-# product in fixed-size, zero-padded column blocks, and sums over small axes
-# run in index order. So on CPU a pixel's result does not depend on which
-# other pixels share its tile or chunk: results are bit-identical whatever the
-# tile size, chunk size or thread count.
-COLUMN_BLOCK = 1024
+# Every operation along the pixel axis is elementwise, a matrix product, or a
+# sum over a small axis in index order. So on CPU a pixel's result does not
+# depend on which other pixels share its tile or chunk: results are
+# bit-identical whatever the tile size, chunk size or thread count. For matrix
+# products that holds for the BLAS torch ships except at very small widths
+# (one column takes a matrix-vector path), which colmm pads;
+# tests/stages/test_linalg.py checks it on the BLAS in use.
+MIN_WIDTH = 64
 
 
 def colmm(M: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """``M @ X`` whose columns do not depend on X's width (fixed padded blocks on CPU)."""
-    if X.device.type != "cpu":
-        return M @ X
+    """``M @ X`` whose columns do not depend on X's width (narrow X padded on CPU)."""
     n = X.shape[1]
-    out = torch.empty((M.shape[0], n), dtype=torch.result_type(M, X), device=X.device)
-    for s in range(0, n, COLUMN_BLOCK):
-        blk = X[:, s : s + COLUMN_BLOCK]
-        w = blk.shape[1]
-        if w < COLUMN_BLOCK:
-            blk = torch.cat([blk, blk.new_zeros((X.shape[0], COLUMN_BLOCK - w))], dim=1)
-        out[:, s : s + w] = (M @ blk)[:, :w]
-    return out
+    if X.device.type != "cpu" or n >= MIN_WIDTH:
+        return M @ X
+    padded = X.new_zeros((X.shape[0], MIN_WIDTH))
+    padded[:, :n] = X
+    return (M @ padded)[:, :n]
 
 
 def stable_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -150,45 +147,42 @@ def stable_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 
 def batched_cholesky(G: torch.Tensor, tol: float = PIVOT_TOL) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower Cholesky factors of ``G`` (n, n, P), and which pixels factored well.
+    """Lower Cholesky factors of ``G`` (n, n, P), in place, and which pixels factored well.
 
-    A pixel fails when a pivot falls below ``tol`` times its own diagonal entry:
-    that column is (nearly) a combination of the earlier ones, so the normal
-    equations cannot be trusted and the pixel goes to the SVD path.
+    ``G``'s lower triangle is overwritten with the factor (its upper triangle
+    is left as scratch). A pixel fails when a pivot falls below ``tol`` times
+    its own diagonal entry: that column is (nearly) a combination of the
+    earlier ones, so the normal equations cannot be trusted and the pixel
+    goes to the SVD path.
     """
     n, _, p = G.shape
-    S = G.clone()
-    L = torch.zeros_like(G)
+    diag = torch.diagonal(G, dim1=0, dim2=1).T.clone()  # (n, P), before factoring
     ok = torch.ones(p, dtype=torch.bool, device=G.device)
     tiny = torch.finfo(G.dtype).tiny
-    one = torch.ones((), dtype=G.dtype, device=G.device)
     for j in range(n):
-        d2 = S[j, j]
-        good = d2 > (tol * G[j, j]).clamp_min(tiny)
-        ok &= good
-        d = torch.sqrt(torch.where(good, d2, one))
-        L[j:, j] = S[j:, j] / d
+        d2 = G[j, j]
+        ok &= d2 > (tol * diag[j]).clamp_min(tiny)
+        # A failed pixel's factor is garbage (maybe NaN); the caller re-solves it by SVD.
+        d = d2.clamp_min(tiny).sqrt()
+        G[j:, j] /= d
         if j + 1 < n:
-            col = L[j + 1 :, j]
-            S[j + 1 :, j + 1 :] -= col[:, None] * col[None, :]
-    return L, ok
+            col = G[j + 1 :, j]
+            G[j + 1 :, j + 1 :].addcmul_(col[:, None], col[None, :], value=-1)
+    return G, ok
 
 
 def cholesky_solve(L: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """Solve ``L Lᵀ x = h`` for every pixel: L (n, n, P), h (n, P)."""
+    """Solve ``L Lᵀ x = h`` for every pixel, in place in ``h``: L (n, n, P), h (n, P)."""
     n = L.shape[0]
-    r = h.clone()
-    y = torch.empty_like(h)
     for i in range(n):
-        y[i] = r[i] / L[i, i]
+        h[i] /= L[i, i]
         if i + 1 < n:
-            r[i + 1 :] -= L[i + 1 :, i] * y[i]
-    x = torch.empty_like(h)
+            h[i + 1 :].addcmul_(L[i + 1 :, i], h[i], value=-1)
     for i in range(n - 1, -1, -1):
-        x[i] = y[i] / L[i, i]
+        h[i] /= L[i, i]
         if i:
-            y[:i] -= L[i, :i] * x[i]
-    return x
+            h[:i].addcmul_(L[i, :i], h[i], value=-1)
+    return h
 
 
 def _converged(dx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -202,23 +196,37 @@ def _primal(
     A: torch.Tensor, B0: torch.Tensor, Wp: torch.Tensor, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     obs, coef = A.shape
-    AA = (A[:, :, None] * A[:, None, :]).reshape(obs, coef * coef)
-    G = colmm(AA.T, Wp).reshape(coef, coef, -1)
-    if lam:
-        G = G + lam * torch.eye(coef, dtype=A.dtype, device=A.device)[:, :, None]
+    # Work in the orthonormal basis U of the design (A = U·diag(s)·Vᵀ): each
+    # pixel's Gram matrix UᵀW_pU is then near the identity unless its gaps are
+    # severe, however badly the user's columns are scaled; c = V·diag(1/s)·c'.
+    U, s, Vh = torch.linalg.svd(A, full_matrices=False)
+    precondition = bool(s[-1] > s[0] * EPS64 * max(obs, coef) * 1e3)
+    if precondition:
+        basis = U
+        lam_vec = lam / (s * s) if lam else None
+    else:
+        basis = A
+        lam_vec = torch.full((coef,), lam, dtype=A.dtype, device=A.device) if lam else None
+    BB = (basis[:, :, None] * basis[:, None, :]).reshape(obs, coef * coef)
+    G = colmm(BB.T, Wp).reshape(coef, coef, -1)
+    if lam_vec is not None:
+        idx = torch.arange(coef, device=A.device)
+        G[idx, idx] += lam_vec[:, None]
     L, ok = batched_cholesky(G)
     WB = Wp * B0
-    x = cholesky_solve(L, colmm(A.T, WB))
+    x = cholesky_solve(L, colmm(basis.T, WB))
     conv = ok
     for _ in range(REFINE_STEPS):
-        g = colmm(A.T, WB - Wp * colmm(A, x))
-        if lam:
-            g = g - lam * x
+        g = colmm(basis.T, WB - Wp * colmm(basis, x))
+        if lam_vec is not None:
+            g = g - lam_vec[:, None] * x
         dx = cholesky_solve(L, g)
         x = x + dx
         conv = ok & _converged(dx, x)
         if bool(conv.eq(ok).all()):
             break
+    if precondition:
+        x = colmm(Vh.T / s[None, :], x)
     return x, conv
 
 
@@ -233,7 +241,7 @@ def _dual(
     K[idx, idx] += lam * (1 - missing) + missing
     L, ok = batched_cholesky(K)
     z = S * B0
-    alpha = cholesky_solve(L, z)
+    alpha = cholesky_solve(L, z.clone())
     x = colmm(A.T, S * alpha)
     conv = ok
     for _ in range(REFINE_STEPS):
@@ -269,19 +277,25 @@ def svd_per_pixel(
 
 
 def solve_per_pixel(
-    A: torch.Tensor, B0: torch.Tensor, Wp: torch.Tensor, pol: Policy, svd_chunk: int = 4096
+    A: torch.Tensor,
+    B0: torch.Tensor,
+    Wp: torch.Tensor,
+    pol: Policy,
+    svd_chunk: int = 4096,
+    active: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Coefficients (coef, P) and status (P,) of pixels with their own weights ``Wp`` (obs, P).
 
-    ``B0`` holds zeros where ``Wp`` is zero. Every pixel given here has enough
-    valid observations; the caller flags the others.
+    ``B0`` holds zeros where ``Wp`` is zero. Every ``active`` pixel (default:
+    all) has enough valid observations; the others are computed but never sent
+    to the SVD path, and the caller drops them.
     """
     obs, coef = A.shape
     lam = pol.ridge if pol.policy == "ridge" else 0.0
     use_dual = pol.policy != "cholesky" and coef > obs
     x, good = (_dual if use_dual else _primal)(A, B0, Wp, lam)
     status = torch.full((B0.shape[1],), OK, dtype=torch.int8, device=A.device)
-    bad = torch.nonzero(~good).flatten()
+    bad = torch.nonzero(~good if active is None else active & ~good).flatten()
     if bad.numel() == 0:
         return x, status
     how = pol.policy

@@ -27,6 +27,7 @@ from schemas.errors import ContractError, InputError
 from stages.context import StageContext
 from stages.demo import demo_file
 from stages.hashing import ArrayHasher, canonical_json, file_identity, hash_text
+from stages.patterns import GridPatterns
 from stages.registry import StageDecl, register
 from stages.store import Artifact, StageOutput
 
@@ -167,8 +168,14 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def _stream(da: xr.DataArray, hasher: ArrayHasher, path: str, what: str) -> dict[str, Any]:
-    """Hash ``da`` block by block along its first dim; count NaN and inf."""
+def _stream(
+    da: xr.DataArray,
+    hasher: ArrayHasher,
+    path: str,
+    what: str,
+    patterns: GridPatterns | None = None,
+) -> dict[str, Any]:
+    """Hash ``da`` block by block along its first dim; count NaN and inf; gap patterns."""
     n0 = da.shape[0]
     row_bytes = max(1, int(np.prod(da.shape[1:], dtype=np.int64)) * da.dtype.itemsize)
     step = max(1, _BLOCK_BYTES // row_bytes)
@@ -178,6 +185,8 @@ def _stream(da: xr.DataArray, hasher: ArrayHasher, path: str, what: str) -> dict
     for start in range(0, n0, step):
         block = _read(da.isel({da.dims[0]: slice(start, start + step)}), what, path)
         hasher.update(block)
+        if patterns is not None:
+            patterns.update(block, start)
         if block.dtype.kind == "f":
             isnan = np.isnan(block)
             nan += int(isnan.sum())
@@ -361,7 +370,13 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
                 "attrs": {k: str(val) for k, val in sorted(v.attrs.items()) if k in _KEPT_ATTRS},
             }
         )
-        stats[role] = _stream(v, h, path, f"variable {name!r}")
+        if role == "cube":
+            grid = GridPatterns(
+                tuple(str(d) for d in v.dims), obs_dim, {str(k): int(n) for k, n in v.sizes.items()}
+            )
+            stats[role] = _stream(v, h, path, f"variable {name!r}", grid)
+        else:
+            stats[role] = _stream(v, h, path, f"variable {name!r}")
         digests[role] = h.hexdigest()
 
     cube_dims = dims
@@ -421,6 +436,9 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
         if coef_dim in d.coords:
             design_columns = [str(c) for c in np.asarray(d.coords[coef_dim].values)]
         aux["design"]["coef_dim"] = coef_dim
+    if s["nan"]:
+        # Gap patterns many pixels share get one factorisation each in the solve stage.
+        arrays["gap_patterns"] = grid.common()
     if "weights" in aux and aux["weights"]["shared"]:
         arrays["weights"] = _read(ds[config.weights], f"variable {config.weights!r}", path).astype(
             np.float64

@@ -8,8 +8,9 @@ or that float32 cannot resolve is refused here, before any tile runs.
 Per tile, pixels are grouped by their pattern of valid observations:
 
 * every pixel whose observations are all valid uses ``P``: one matrix product;
-* a gap pattern shared by at least :data:`GROUP_MIN` pixels (a missing time
-  step across the grid) gets its own SVD operator: one more matrix product;
+* a gap pattern shared by at least ``patterns.GROUP_MIN`` pixels of the whole
+  grid (a time step missing everywhere) gets its own SVD operator: one more
+  matrix product;
 * the other pixels (clouds: nearly every pixel its own pattern) and pixels
   with their own weights are solved with per-pixel normal equations in float64
   (see :mod:`stages.linalg`).
@@ -20,7 +21,9 @@ coefficients and a status code; so do those a policy cannot solve.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,7 +33,7 @@ from schemas.artifacts import Tile
 from schemas.config import LstsqSolve
 from schemas.contracts import STATUS_FLAGS, ArraySpec
 from schemas.errors import NumericalError
-from stages import linalg
+from stages import linalg, patterns
 from stages.context import StageContext, chunk_size, resolve_device
 from stages.load import read_block
 from stages.registry import StageDecl, register
@@ -39,8 +42,6 @@ from stages.store import Artifact, StageOutput
 VERSION = "1"
 STAGE = "solve/lstsq"
 
-#: Pixels that must share a gap pattern before it gets its own factorisation.
-GROUP_MIN = 32
 #: Above this condition number a float32 solve loses more than ~0.1% (measured
 #: in tests/stages/test_solve.py); refuse it and ask for float64.
 FLOAT32_MAX_COND = 1e4
@@ -65,13 +66,44 @@ def min_valid_of(config: LstsqSolve, coef: int) -> int:
     return coef if config.policy == "cholesky" else 1
 
 
-def prepare(config: LstsqSolve, inputs: Mapping[str, Artifact], ctx: StageContext) -> StageOutput:
-    """The shared operator (sqrt-weights folded in), after refusing unsolvable setups."""
-    ne, design = inputs["normal_equations"], inputs["design"]
-    A = np.asarray(design.array("A"))
+@dataclass(frozen=True)
+class SharedOperator:
+    """The once-per-stage part of a solve: the shared design's solution operator."""
+
+    A: np.ndarray  # (obs, coef) float64
+    sqrtw: np.ndarray  # (obs,) float64
+    P: np.ndarray  # (coef, obs) float64, sqrt-weights folded in: c = P @ b
+    #: (k, obs) with ‖Q b‖ = ‖b − A c‖ when the fit is an orthogonal projection
+    #: (unweighted minnorm or cholesky) and k ≤ coef makes it the cheaper way; else None
+    Q: np.ndarray | None
+    cond: float
+    rank: int
+    method: str
+    min_valid: int
+
+    @classmethod
+    def from_artifact(cls, art: Artifact) -> SharedOperator:
+        """Read it back from the prepared artifact."""
+        return cls(
+            A=np.array(art.array("A")),
+            sqrtw=np.array(art.array("sqrtw")),
+            P=np.array(art.array("P")),
+            Q=np.array(art.array("Q")) if "Q" in art else None,
+            cond=float(art.meta["cond"]),
+            rank=int(art.meta["rank"]),
+            method=str(art.meta["method"]),
+            min_valid=int(art.meta["min_valid"]),
+        )
+
+
+def make_operator(
+    A: np.ndarray,
+    sqrtw: np.ndarray,
+    config: LstsqSolve,
+    svd: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+) -> SharedOperator:
+    """The shared operator for ``config``, after refusing setups it cannot solve meaningfully."""
     n_obs, coef = A.shape
-    sqrtw = np.asarray(ne.array("sqrtw"))
-    svd = (np.asarray(ne.array("U")), np.asarray(ne.array("s")), np.asarray(ne.array("Vt")))
     op = linalg.svd_operator(A * sqrtw[:, None], policy_of(config), svd=svd)
     if config.policy == "cholesky" and op.status != linalg.OK:
         why = (
@@ -83,7 +115,7 @@ def prepare(config: LstsqSolve, inputs: Mapping[str, Artifact], ctx: StageContex
             f"policy cholesky cannot solve this design: {why}",
             stage=STAGE,
             expected=f"a design of full column rank {coef}",
-            found=f"rank {op.rank}, condition number {ne.meta['cond']:.3g}",
+            found=f"rank {op.rank}",
             fix="set solve.policy: minnorm (minimum-norm solution), or solve.policy: ridge "
             "with solve.ridge > 0; or use fewer coefficients",
         )
@@ -97,30 +129,229 @@ def prepare(config: LstsqSolve, inputs: Mapping[str, Artifact], ctx: StageContex
             fix="set solve.dtype: float64, or use a better-scaled design "
             "(e.g. design.scale: true, fewer polynomial degrees)",
         )
+    Q = None
+    rank_left = n_obs - op.rank
+    if (
+        op.status == linalg.OK
+        and config.policy != "ridge"
+        and (sqrtw == 1).all()
+        and rank_left <= coef
+    ):
+        # b − A c = (I − U_r U_rᵀ) b: its norm is that of b's part outside range(A).
+        U_full = np.linalg.svd(A, full_matrices=True)[0]
+        Q = np.ascontiguousarray(U_full[:, op.rank :].T)
+    return SharedOperator(
+        A=A,
+        sqrtw=sqrtw,
+        P=op.P * sqrtw[None, :],
+        Q=Q,
+        cond=op.cond,
+        rank=op.rank,
+        method=op.method,
+        min_valid=min_valid_of(config, coef),
+    )
+
+
+def prepare(config: LstsqSolve, inputs: Mapping[str, Artifact], ctx: StageContext) -> StageOutput:
+    """The shared operator, stored once for every tile."""
+    ne, design = inputs["normal_equations"], inputs["design"]
+    A = np.array(design.array("A"))
+    svd = (np.array(ne.array("U")), np.array(ne.array("s")), np.array(ne.array("Vt")))
+    op = make_operator(A, np.array(ne.array("sqrtw")), config, svd)
+    arrays = {"P": op.P, "A": op.A, "sqrtw": op.sqrtw}
+    if op.Q is not None:
+        arrays["Q"] = op.Q
     return StageOutput(
-        arrays={"P": op.P * sqrtw[None, :], "A": A, "sqrtw": sqrtw},
+        arrays=arrays,
         meta={
             "rank": op.rank,
             "cond": op.cond,
             "method": op.method,
-            "min_valid": min_valid_of(config, coef),
-            "coef": coef,
-            "obs": n_obs,
+            "min_valid": op.min_valid,
+            "coef": int(A.shape[1]),
+            "obs": int(A.shape[0]),
         },
     )
 
 
-def _groups(valid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Pixels grouped by valid-observation pattern: (patterns, order, starts, counts)."""
-    packed = np.ascontiguousarray(np.packbits(valid, axis=0).T)
-    keys = packed.view(np.dtype((np.void, packed.shape[1]))).ravel()
-    uniq, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
-    order = np.argsort(inverse, kind="stable")
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    patterns = np.unpackbits(uniq.view(np.uint8).reshape(len(uniq), -1), axis=1)[
-        :, : valid.shape[0]
-    ]
-    return patterns.astype(bool), order, starts, counts
+def _fit_columns(
+    B: np.ndarray,
+    P: np.ndarray,
+    A: np.ndarray,
+    Q: np.ndarray | None,
+    dtype: np.dtype,
+    device: torch.device,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Coefficients ``P @ B`` and residual RMS of columns sharing one operator."""
+    Bt = torch.from_numpy(np.ascontiguousarray(B, dtype=dtype)).to(device)
+    tdtype = Bt.dtype
+    Ct = linalg.colmm(torch.from_numpy(np.ascontiguousarray(P, dtype=dtype)).to(device), Bt)
+    if Q is not None:
+        R = linalg.colmm(torch.from_numpy(np.ascontiguousarray(Q, dtype=dtype)).to(device), Bt)
+    else:
+        At = torch.from_numpy(np.ascontiguousarray(A, dtype=dtype)).to(device)
+        R = Bt - linalg.colmm(At, Ct)
+    if R.shape[0]:
+        rms = torch.sqrt(linalg.stable_sum(R * R) / B.shape[0])
+    else:
+        rms = torch.zeros(B.shape[1], dtype=tdtype, device=device)
+    return Ct.cpu().numpy(), rms.cpu().numpy()
+
+
+def solve_block(
+    B: np.ndarray,
+    op: SharedOperator,
+    config: LstsqSolve,
+    own_weights: np.ndarray | None = None,
+    memory_budget: int = 2**30,
+    gap_patterns: np.ndarray | None = None,
+) -> StageOutput:
+    """Coefficients (coef, P), residual RMS, valid counts and status of pixels ``B`` (obs, P).
+
+    ``gap_patterns`` are the pattern hashes common in the whole grid (from the
+    load stage); pixels with one of them share a factorisation.
+    """
+    if gap_patterns is None:
+        gap_patterns = np.zeros(0, dtype=np.uint64)
+    A, sqrtw = op.A, op.sqrtw
+    n_obs, coef = A.shape
+    dtype = np.dtype(config.dtype)
+    device = resolve_device(config.device)
+    pol = policy_of(config)
+    clock = time.perf_counter()
+    seconds = {"mask": 0.0, "shared": 0.0, "pattern": 0.0, "per_pixel": 0.0}
+    paths = {"shared": 0, "pattern": 0, "per_pixel": 0}
+    n_px = B.shape[1]
+
+    status = np.zeros(n_px, dtype=np.int8)
+    finite = np.isfinite(B)
+    if own_weights is None and (sqrtw > 0).all() and finite.all():
+        # No gaps: every pixel uses the shared operator; no grouping, no copies.
+        seconds["mask"] = time.perf_counter() - clock
+        t0 = time.perf_counter()
+        C, rms = _fit_columns(B, op.P, A, op.Q, dtype, device)
+        paths["shared"] = n_px
+        seconds["shared"] = time.perf_counter() - t0
+        return StageOutput(
+            arrays={
+                "coefficients": C,
+                "residual_rms": rms,
+                "n_valid": np.full(n_px, n_obs, dtype=np.int32),
+                "status": status,
+            },
+            meta={"status_counts": {"ok": n_px}, "paths": paths, "seconds": seconds},
+        )
+
+    valid = finite
+    if own_weights is not None:
+        valid = finite & (own_weights > 0)
+    elif not (sqrtw > 0).all():
+        valid = finite & (sqrtw > 0)[:, None]
+    C = np.full((coef, n_px), np.nan, dtype=dtype)
+    rms = np.full(n_px, np.nan, dtype=dtype)
+    n_valid = valid.sum(axis=0).astype(np.int32)
+    status[n_valid == 0] = linalg.ALL_MISSING
+    status[(n_valid > 0) & (n_valid < op.min_valid)] = linalg.TOO_FEW
+    solvable = n_valid >= op.min_valid
+    per_pixel = solvable.copy()
+    if own_weights is None:
+        # Pixels whose gap pattern is the full one, or common in the whole grid,
+        # share one factorisation per pattern; see stages.patterns.
+        full_h = patterns.pattern_hash(np.ones((n_obs, 1), dtype=bool))[0]
+        if len(gap_patterns):
+            h = patterns.pattern_hash(finite)
+        else:  # no common gap pattern in the grid: only the full one is shared
+            h = np.where(finite.all(axis=0), full_h, np.uint64(0))
+        grouped = solvable & ((h == full_h) | np.isin(h, gap_patterns))
+        idx_all = np.flatnonzero(grouped)
+        order = np.argsort(h[idx_all], kind="stable")
+        keys, starts = np.unique(h[idx_all][order], return_index=True)
+        seconds["mask"] = time.perf_counter() - clock
+        stops = np.append(starts[1:], len(order)) if len(keys) else starts
+        for k, start, stop in zip(keys, starts, stops, strict=True):
+            t0 = time.perf_counter()
+            idx = idx_all[order[start:stop]]
+            same = (finite[:, idx] == finite[:, idx[:1]]).all(axis=0)
+            idx = idx[same]  # a hash collision (never seen) leaves the others per pixel
+            rows = finite[:, idx[0]] & (sqrtw > 0)
+            if k == full_h:
+                P, Q, st, cond = op.P, op.Q, linalg.OK, op.cond
+                rows = np.ones(n_obs, dtype=bool)
+                path = "shared"
+            else:
+                g_op = linalg.svd_operator(A[rows] * sqrtw[rows, None], pol)
+                P, Q, st, cond = g_op.P * sqrtw[rows][None, :], None, g_op.status, g_op.cond
+                path = "pattern"
+            gdtype = dtype if cond <= FLOAT32_MAX_COND else np.dtype(np.float64)
+            Bg = B[np.ix_(rows, idx)]
+            if not np.isfinite(Bg).all():  # zero-weight rows may hold NaN
+                Bg = np.where(valid[np.ix_(rows, idx)], Bg, 0)
+            C[:, idx], rms[idx] = _fit_columns(Bg, P, A[rows], Q, gdtype, device)
+            status[idx] = st
+            per_pixel[idx] = False
+            paths[path] += len(idx)
+            seconds[path] += time.perf_counter() - t0
+
+    todo = np.flatnonzero(per_pixel)
+    paths["per_pixel"] = len(todo)
+    t0 = time.perf_counter()
+    if len(todo):
+        big = max(coef, n_obs) if (config.policy != "cholesky" and coef > n_obs) else coef
+        per_px_bytes = 8 * (3 * big * big + 8 * n_obs + 6 * coef)
+        fit = chunk_size(memory_budget // 4, per_px_bytes, minimum=1024)
+        chunk = config.chunk_pixels or min(8192, fit)
+        At = torch.from_numpy(A).to(device)
+        w_shared = torch.from_numpy(sqrtw**2).to(device)[:, None]
+        unweighted = bool((sqrtw == 1).all())
+        # Mostly per-pixel tiles (clouds) go through contiguous column ranges,
+        # which avoids gathering and scattering; the few other pixels in a range
+        # are computed too and dropped (a pixel's result does not depend on its
+        # neighbours in the batch). Tiles with few such pixels gather them.
+        if len(todo) >= n_px // 2:
+            batches: list[tuple[slice | np.ndarray, np.ndarray]] = [
+                (slice(s0, min(s0 + chunk, n_px)), per_pixel[s0 : s0 + chunk])
+                for s0 in range(0, n_px, chunk)
+            ]
+        else:
+            batches = [
+                (todo[s0 : s0 + chunk], np.ones(len(todo[s0 : s0 + chunk]), dtype=bool))
+                for s0 in range(0, len(todo), chunk)
+            ]
+        for sel, active in batches:
+            if not active.any():
+                continue
+            vmask = np.ascontiguousarray(valid[:, sel])
+            Vt_ = torch.from_numpy(vmask).to(device)
+            # Invalid observations are NaN or carry zero weight: zero them, weight them 0.
+            B0 = torch.from_numpy(B[:, sel]).to(device=device, dtype=torch.float64).nan_to_num_(0.0)
+            if own_weights is not None:
+                Wp: torch.Tensor = torch.from_numpy(own_weights[:, sel]).to(device) * Vt_
+            elif unweighted:
+                Wp = torch.from_numpy(vmask.astype(np.float64)).to(device)
+            else:
+                Wp = w_shared * Vt_
+            act = torch.from_numpy(active).to(device)
+            x, px_status = linalg.solve_per_pixel(At, B0, Wp, pol, active=act)
+            R = (B0 - linalg.colmm(At, x)).mul_(Vt_)
+            n_v = torch.from_numpy(n_valid[sel].astype(np.float64)).to(device)
+            r = torch.sqrt(linalg.stable_sum(R.mul_(R)) / n_v).cpu().numpy()
+            xs, sts = x.cpu().numpy(), px_status.cpu().numpy()
+            if isinstance(sel, slice) and active.all():
+                C[:, sel], rms[sel], status[sel] = xs, r, sts
+            else:
+                cols = (np.flatnonzero(active) + sel.start) if isinstance(sel, slice) else sel
+                C[:, cols], rms[cols], status[cols] = xs[:, active], r[active], sts[active]
+        rms[todo[status[todo] == linalg.SINGULAR]] = np.nan
+    seconds["per_pixel"] = time.perf_counter() - t0
+
+    counts_by_status = {
+        STATUS_FLAGS[int(k)]: int(v)
+        for k, v in zip(*np.unique(status, return_counts=True), strict=True)
+    }
+    return StageOutput(
+        arrays={"coefficients": C, "residual_rms": rms, "n_valid": n_valid, "status": status},
+        meta={"status_counts": counts_by_status, "paths": paths, "seconds": seconds},
+    )
 
 
 def run_tile(
@@ -132,113 +363,18 @@ def run_tile(
 ) -> StageOutput:
     """Coefficients, residual RMS, valid counts and status of one tile."""
     load = inputs["load"]
-    A = np.array(prepared.array("A"))
-    sqrtw = np.array(prepared.array("sqrtw"))
-    n_obs, coef = A.shape
-    dtype = np.dtype(config.dtype)
-    device = resolve_device(config.device)
-    pol = policy_of(config)
-    min_valid = int(prepared.meta["min_valid"])
-
+    op = SharedOperator.from_artifact(prepared)
+    n_obs = op.A.shape[0]
     B = read_block(load.meta, "cube", tile).reshape(n_obs, -1)
-    n_px = B.shape[1]
     weights_info = load.meta["aux"].get("weights")
     own_w = None
     if weights_info is not None and not weights_info["shared"]:
         own_w = read_block(load.meta, "weights", tile).reshape(n_obs, -1).astype(np.float64)
-        valid = np.isfinite(B) & (own_w > 0)
-    else:
-        valid = np.isfinite(B) & (sqrtw > 0)[:, None]
-    n_valid = valid.sum(axis=0).astype(np.int32)
-
-    C = np.full((coef, n_px), np.nan, dtype=dtype)
-    rms = np.full(n_px, np.nan, dtype=dtype)
-    status = np.zeros(n_px, dtype=np.int8)
-    status[n_valid == 0] = linalg.ALL_MISSING
-    status[(n_valid > 0) & (n_valid < min_valid)] = linalg.TOO_FEW
-    solvable = n_valid >= min_valid
-    paths = {"shared": 0, "pattern": 0, "per_pixel": 0}
-
-    per_pixel = np.zeros(n_px, dtype=bool)
-    if own_w is not None:
-        per_pixel = solvable
-    else:
-        full = sqrtw > 0
-        patterns, order, starts, counts = _groups(valid)
-        for g in range(len(counts)):
-            idx = order[starts[g] : starts[g] + counts[g]]
-            if not solvable[idx[0]]:
-                continue
-            rows = patterns[g]
-            if np.array_equal(rows, full):
-                P, st, cond = (
-                    np.array(prepared.array("P")),
-                    linalg.OK,
-                    float(prepared.meta["cond"]),
-                )
-                rows = np.ones(n_obs, dtype=bool)
-                paths["shared"] += len(idx)
-            elif counts[g] >= GROUP_MIN:
-                op = linalg.svd_operator(A[rows] * sqrtw[rows, None], pol)
-                P, st, cond = op.P * sqrtw[rows][None, :], op.status, op.cond
-                paths["pattern"] += len(idx)
-            else:
-                per_pixel[idx] = True
-                continue
-            gdtype = dtype if cond <= FLOAT32_MAX_COND else np.dtype(np.float64)
-            Bg = B[np.ix_(rows, idx)]
-            if not np.isfinite(Bg).all():  # zero-weight rows may hold NaN
-                Bg = np.where(valid[np.ix_(rows, idx)], Bg, 0)
-            Pt = torch.from_numpy(np.ascontiguousarray(P, dtype=gdtype)).to(device)
-            Bt = torch.from_numpy(np.ascontiguousarray(Bg, dtype=gdtype)).to(device)
-            Ct = linalg.colmm(Pt, Bt)
-            At = torch.from_numpy(np.ascontiguousarray(A[rows], dtype=gdtype)).to(device)
-            R = Bt - linalg.colmm(At, Ct)
-            C[:, idx] = Ct.cpu().numpy()
-            rms[idx] = torch.sqrt(linalg.stable_sum(R * R) / R.shape[0]).cpu().numpy()
-            status[idx] = st
-
-    todo = np.flatnonzero(per_pixel)
-    paths["per_pixel"] = len(todo)
-    if len(todo):
-        big = max(coef, n_obs) if (config.policy != "cholesky" and coef > n_obs) else coef
-        per_px_bytes = 8 * (3 * big * big + 8 * n_obs + 6 * coef)
-        chunk = config.chunk_pixels or min(8192, chunk_size(ctx.memory_budget // 4, per_px_bytes))
-        At = torch.from_numpy(A).to(device)
-        w_shared = torch.from_numpy(sqrtw**2).to(device)[:, None]
-        for start in range(0, len(todo), chunk):
-            sel = todo[start : start + chunk]
-            Vt_ = torch.from_numpy(valid[:, sel]).to(device)
-            Bt = torch.from_numpy(np.asarray(B[:, sel], dtype=np.float64)).to(device)
-            B0 = torch.where(Vt_, Bt, torch.zeros((), dtype=torch.float64, device=device))
-            if own_w is not None:
-                Wp: torch.Tensor = torch.from_numpy(own_w[:, sel]).to(device) * Vt_
-            else:
-                Wp = w_shared * Vt_
-            x, px_status = linalg.solve_per_pixel(At, B0, Wp, pol)
-            R = torch.where(
-                Vt_, B0 - linalg.colmm(At, x), torch.zeros((), dtype=torch.float64, device=device)
-            )
-            C[:, sel] = x.cpu().numpy().astype(dtype)
-            n_v = torch.from_numpy(n_valid[sel].astype(np.float64)).to(device)
-            rms[sel] = torch.sqrt(linalg.stable_sum(R * R) / n_v).cpu().numpy().astype(dtype)
-            status[sel] = px_status.cpu().numpy()
-        rms[todo[status[todo] == linalg.SINGULAR]] = np.nan
-
+    gaps = np.array(load.array("gap_patterns")) if "gap_patterns" in load else None
+    out = solve_block(B, op, config, own_w, ctx.memory_budget, gaps)
     ny, nx = tile.shape
-    counts_by_status = {
-        STATUS_FLAGS[int(k)]: int(v)
-        for k, v in zip(*np.unique(status, return_counts=True), strict=True)
-    }
-    return StageOutput(
-        arrays={
-            "coefficients": C.reshape(coef, ny, nx),
-            "residual_rms": rms.reshape(ny, nx),
-            "n_valid": n_valid.reshape(ny, nx),
-            "status": status.reshape(ny, nx),
-        },
-        meta={"status_counts": counts_by_status, "paths": paths},
-    )
+    out.arrays = {k: v.reshape(*v.shape[:-1], ny, nx) for k, v in out.arrays.items()}
+    return out
 
 
 def tile_bytes_per_pixel(load_meta: Mapping[str, Any], coef: int, config: LstsqSolve) -> int:

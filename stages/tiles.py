@@ -25,13 +25,13 @@ def plan_tiles(ny: int, nx: int, max_pixels: int, align_y: int, align_x: int) ->
         rows, cols = ny, nx
     elif align_y * nx <= max_pixels:
         rows, cols = (max_pixels // nx) // align_y * align_y, nx
+    elif align_y * align_x <= max_pixels:
+        rows, cols = align_y, (max_pixels // align_y) // align_x * align_x
     else:
-        rows = align_y
-        cols = max(align_x, (max_pixels // align_y) // align_x * align_x)
-        if cols < nx and (max_pixels // align_y) < align_x:
-            # One chunk is larger than the budget: split inside chunks rather than overrun it.
-            rows = max(1, min(align_y, max_pixels // align_x)) if max_pixels >= align_x else 1
-            cols = min(nx, max(1, max_pixels // rows))
+        # One output chunk is over the budget: stay within the budget and let
+        # HDF5 assemble chunks from several tiles (slower writes, same file).
+        cols = min(nx, align_x, max_pixels)
+        rows = max(1, min(align_y, max_pixels // cols))
     tiles: list[Tile] = []
     for y0 in range(0, ny, rows):
         for x0 in range(0, nx, cols):

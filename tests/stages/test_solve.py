@@ -159,18 +159,27 @@ def test_float32_refused_for_ill_conditioned_design(chain: Chain, write_cube: An
     assert "float32 is too coarse" in str(err.value) and "solve.dtype: float64" in str(err.value)
 
 
-def test_tiles_give_bit_identical_results(chain: Chain, write_cube: Any, ctx: Any) -> None:
-    ds = make_ds(n_obs=12, ny=7, nx=5, nan_fraction=0.2)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_tiles_give_bit_identical_results(
+    chain: Chain, write_cube: Any, ctx: Any, dtype: str
+) -> None:
+    ds = make_ds(n_obs=12, ny=8, nx=8, dtype=dtype)
+    gappy = make_ds(n_obs=12, ny=8, nx=8, nan_fraction=0.2, dtype=dtype)["signal"].values
+    ds["signal"][:, 5:, :] = gappy[:, 5:, :]  # per-pixel gaps in the last rows
+    ds["signal"][3, :5, :] = np.nan  # a gap pattern of 40 pixels: common in the grid, not per tile
+    ds["signal"][:, 7, 7] = ds["signal"][:, 7, 6] = 1.0  # a few fully valid pixels
     path = write_cube(ds)
-    _, whole = solve_cube(chain, path, RandomDesign(coef=5), LstsqSolve())
+    cfg = LstsqSolve(dtype=dtype)
+    _, whole = solve_cube(chain, path, RandomDesign(coef=5), cfg)
+    assert chain.runs["solve"][0].ref.meta["paths"]["pattern"] > 0
     tiles = [
-        Tile(index=0, y0=0, y1=3, x0=0, x1=5),
-        Tile(index=1, y0=3, y1=7, x0=0, x1=2),
-        Tile(index=2, y0=3, y1=7, x0=2, x1=5),
+        Tile(index=0, y0=0, y1=3, x0=0, x1=8),
+        Tile(index=1, y0=3, y1=8, x0=0, x1=3),
+        Tile(index=2, y0=3, y1=8, x0=3, x1=8),
     ]
-    _, tiled = solve_cube(Chain(ctx), path, RandomDesign(coef=5), LstsqSolve(), tiles)
+    _, tiled = solve_cube(Chain(ctx), path, RandomDesign(coef=5), cfg, tiles)
     for k in whole:
-        np.testing.assert_array_equal(whole[k], tiled[k])
+        np.testing.assert_array_equal(whole[k], tiled[k], err_msg=k)
 
 
 def test_gaps_are_solved_per_pixel_and_flagged(chain: Chain, write_cube: Any) -> None:

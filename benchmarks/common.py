@@ -1,0 +1,43 @@
+"""Timing helpers shared by the benchmarks: medians of repeats, a ratio table, machine facts."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine() -> str:
+    """One line about where the numbers come from."""
+    return (
+        f"{platform.machine()} · {os.cpu_count()} CPUs · torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads) · numpy {np.__version__} · "
+        f"cuda {'yes: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no'}"
+    )
+
+
+def table(rows: list[tuple[str, float, str]], reference: float, ref_name: str) -> str:
+    """Rows of (name, seconds, note) with each one's ratio to ``reference``."""
+    width = max(len(r[0]) for r in rows) + 2
+    out = [f"{'':<{width}}{'median s':>11}{'× ' + ref_name:>16}  note"]
+    for name, sec, note in rows:
+        out.append(f"{name:<{width}}{sec:>11.4f}{sec / reference:>16.2f}  {note}")
+    return "\n".join(out)

@@ -1,0 +1,71 @@
+"""Gap patterns: which observations of a pixel are valid, hashed to one number per pixel.
+
+The load stage counts the patterns of the whole grid once; the solve stage
+gives a pattern its own shared factorisation when at least
+:data:`GROUP_MIN` pixels of the *grid* have it (a time step missing
+everywhere, a recurring cloud mask). Deciding from grid-wide counts, not from
+the pixels of one tile, keeps every pixel's result independent of the tiling.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Pixels that must share a gap pattern before it gets its own factorisation.
+GROUP_MIN = 32
+#: Most patterns remembered (the most common); the rest are solved per pixel.
+MAX_PATTERNS = 4096
+_MULT = np.uint64(0x9E3779B97F4A7C15)
+_SEED = np.uint64(0x243F6A8885A308D3)
+
+
+def pattern_hash(valid: np.ndarray) -> np.ndarray:
+    """64-bit hash of each pixel's validity pattern; ``valid`` is (obs, ...)."""
+    h = np.full(valid.shape[1:], _SEED, dtype=np.uint64)
+    extend(h, valid)
+    return h
+
+
+def extend(h: np.ndarray, valid: np.ndarray) -> None:
+    """Fold more observations (in order) into running hashes ``h``, in place."""
+    with np.errstate(over="ignore"):
+        for row in valid:
+            h *= _MULT
+            h += row.astype(np.uint64) + np.uint64(1)
+
+
+def common_patterns(h: np.ndarray, full: np.uint64) -> np.ndarray:
+    """Hashes shared by ≥ GROUP_MIN pixels (not the fully valid one), the most common kept."""
+    values, counts = np.unique(h.ravel(), return_counts=True)
+    keep = (counts >= GROUP_MIN) & (values != full)
+    values, counts = values[keep], counts[keep]
+    order = np.argsort(-counts, kind="stable")[:MAX_PATTERNS]
+    return np.sort(values[order])
+
+
+class GridPatterns:
+    """Pattern hashes of a whole grid, built from blocks streamed along any one dim."""
+
+    def __init__(self, dims: tuple[str, ...], obs_dim: str, sizes: dict[str, int]) -> None:
+        self.dims = dims
+        self.obs_dim = obs_dim
+        self.order = [dims.index(obs_dim)] + [i for i, d in enumerate(dims) if d != obs_dim]
+        spatial = [sizes[d] for d in dims if d != obs_dim]
+        self.h = np.full(spatial, _SEED, dtype=np.uint64)
+        self.full = pattern_hash(np.ones((sizes[obs_dim], 1), dtype=bool))[0]
+
+    def update(self, block: np.ndarray, start: int) -> None:
+        """Fold a block of the variable (sliced along its first dim from ``start``) in."""
+        valid = np.isfinite(block).transpose(self.order)
+        if self.dims[0] == self.obs_dim:
+            extend(self.h, valid)
+        else:
+            n = valid.shape[1]
+            sub = np.full(valid.shape[1:], _SEED, dtype=np.uint64)
+            extend(sub, valid)
+            # the block's first dim is the first spatial dim of h
+            self.h[start : start + n] = sub
+
+    def common(self) -> np.ndarray:
+        """The grid's common gap patterns (see :func:`common_patterns`)."""
+        return common_patterns(self.h, self.full)

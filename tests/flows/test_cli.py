@@ -1,0 +1,165 @@
+"""The gridsolve command: real subprocesses, one clear message and exit 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xarray as xr
+import yaml
+from testkit import make_ds
+
+GRIDSOLVE = str(Path(sys.executable).parent / "gridsolve")
+CONTRACT = {
+    "design",
+    "coefficients",
+    "residual_rms",
+    "n_valid",
+    "status",
+    "prediction",
+    "grad_weight",
+    "grad_bias",
+}
+
+
+def gridsolve(
+    *args: str, cwd: Path | None = None, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [GRIDSOLVE, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ},
+    )
+
+
+def write_config(tmp_path: Path, cube: Path, **extra: Any) -> Path:
+    raw = {
+        "load": {"path": str(cube)},
+        "design": {"impl": "polynomial", "degree": 3},
+        "model": {"input_dim": 2, "hidden_dim": 2},
+        "write": {"path": "out.nc"},
+        "cache": {"root": "cache"},
+        **extra,
+    }
+    p = tmp_path / "gridsolve.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def assert_clean_failure(res: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout
+    for n in needles:
+        assert n in res.stderr, res.stderr
+
+
+def test_schema_is_json_with_every_stage() -> None:
+    res = gridsolve("schema")
+    assert res.returncode == 0
+    schema = json.loads(res.stdout)
+    assert set(schema["properties"]) == {
+        "load",
+        "design",
+        "normal_equations",
+        "solve",
+        "model",
+        "write",
+        "cache",
+        "execution",
+    }
+
+
+def test_validate_good_and_bad(tmp_path: Path) -> None:
+    cube = tmp_path / "cube.nc"
+    make_ds().to_netcdf(cube)
+    cfg = write_config(tmp_path, cube)
+    ok = gridsolve("validate", str(cfg))
+    assert ok.returncode == 0 and "config is valid" in ok.stdout
+    bad = gridsolve(
+        "validate", str(cfg), "--set", "solve.polcy=ridge", "--set", "write.complevel=99"
+    )
+    assert_clean_failure(bad, "solve.polcy: unknown key", "write.complevel")
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_missing_input_fails_cleanly_without_output(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, tmp_path / "missing.nc")
+    res = gridsolve("run", str(cfg))
+    assert_clean_failure(res, "input file not found", "load.path")
+    assert not (tmp_path / "out.nc").exists()
+
+
+def test_bad_override_syntax(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, tmp_path / "cube.nc")
+    assert_clean_failure(gridsolve("run", str(cfg), "--set", "solve.ridge"), "key=value")
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_demo_then_rerun_hits_the_cache(tmp_path: Path) -> None:
+    res = gridsolve("demo", "--out", str(tmp_path / "demo"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = tmp_path / "demo" / "output.nc"
+    with xr.open_dataset(out) as ds:
+        assert set(ds.data_vars) >= CONTRACT
+    again = gridsolve("run", str(tmp_path / "demo" / "gridsolve.yaml"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = [
+        line.split()
+        for line in again.stdout.splitlines()
+        if line.split()[:1]
+        and line.split()[0] in ("load", "design", "normal_equations", "solve", "model", "write")
+    ]
+    assert len(rows) == 6 and all(r[3] == "hit" for r in rows), again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_server")
+def test_seed_demo_matches_lstsq(tmp_path: Path) -> None:
+    """The original problem: 50 obs × 500 × 500, coef 100 > obs 50, minimum norm, float32."""
+    demo = tmp_path / "seed"
+    res = gridsolve("demo", "--size", "seed", "--out", str(demo))
+    assert res.returncode == 0, res.stderr[-3000:]
+    with xr.open_dataset(demo / "output.nc") as out, xr.open_dataset(demo / "demo.nc") as cube:
+        assert set(out.data_vars) >= CONTRACT
+        assert out.sizes["coef"] == 100 and out.sizes["y"] == 500 and out.sizes["x"] == 500
+        A = out["design"].values
+        B = cube["signal"].values.astype(np.float64).reshape(50, -1)
+        C = out["coefficients"].values.reshape(100, -1).astype(np.float64)
+    ref = np.linalg.lstsq(A, B, rcond=None)[0]  # minimum norm, every pixel a right-hand side
+    rel = np.linalg.norm(C - ref, axis=0) / np.linalg.norm(ref, axis=0)
+    assert rel.max() < 1e-4, rel.max()
+    for p in np.random.default_rng(0).choice(B.shape[1], 300, replace=False):
+        one = np.linalg.lstsq(A, B[:, p], rcond=None)[0]
+        assert np.linalg.norm(C[:, p] - one) / np.linalg.norm(one) < 1e-4
+
+    # A well-posed design on the same cube, float64: 1 + trend + 4 harmonics = 10 coefficients.
+    res = gridsolve(
+        "run",
+        str(demo / "gridsolve.yaml"),
+        "--set",
+        "design={impl: harmonic, harmonics: 4}",
+        "--set",
+        "solve.dtype=float64",
+        "--set",
+        "model.input_dim=10",
+        "--set",
+        "model.hidden_dim=1",
+        "--set",
+        "write.path=harmonic.nc",
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    with xr.open_dataset(demo / "harmonic.nc") as out:
+        A = out["design"].values
+        C = out["coefficients"].values.reshape(10, -1)
+    ref = np.linalg.lstsq(A, B, rcond=None)[0]
+    rel = np.linalg.norm(C - ref, axis=0) / np.linalg.norm(ref, axis=0)
+    assert rel.max() < 1e-6, rel.max()
