@@ -323,7 +323,7 @@ def solve_block(
             vmask = np.ascontiguousarray(valid[:, sel])
             Vt_ = torch.from_numpy(vmask).to(device)
             # Invalid observations are NaN or carry zero weight: zero them, weight them 0.
-            B0 = torch.from_numpy(B[:, sel]).to(device=device, dtype=torch.float64).nan_to_num_(0.0)
+            B0 = torch.from_numpy(B[:, sel]).to(device, torch.float64, copy=True).nan_to_num_(0.0)
             if own_weights is not None:
                 Wp: torch.Tensor = torch.from_numpy(own_weights[:, sel]).to(device) * Vt_
             elif unweighted:

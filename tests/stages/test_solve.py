@@ -312,3 +312,17 @@ def test_fallback_none_gives_nan_and_singular(chain: Chain, write_cube: Any) -> 
     )
     assert out["status"][0, 0] == STATUS_CODES["singular"]
     assert np.isnan(out["coefficients"][:, 0, 0]).all() and np.isnan(out["residual_rms"][0, 0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_solve_block_leaves_its_input_alone(dtype: str) -> None:
+    from stages.solve import make_operator, solve_block
+
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((10, 3))
+    B = rng.standard_normal((10, 500)).astype(dtype)
+    B[rng.random(B.shape) < 0.3] = np.nan
+    before = B.copy()
+    config = LstsqSolve(dtype=dtype)
+    solve_block(B, make_operator(A, np.ones(10), config), config)
+    np.testing.assert_array_equal(B, before)

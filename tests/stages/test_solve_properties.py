@@ -152,3 +152,74 @@ def test_dual_and_primal_agree_with_lstsq_at_scale(coef: int) -> None:
         ok = M[:, px]
         ref = np.linalg.lstsq(A[ok], B[ok, px], rcond=None)[0]
         np.testing.assert_allclose(x[:, px], ref, rtol=1e-9, atol=1e-12)
+
+
+@st.composite
+def cubes(draw: Any) -> dict[str, Any]:
+    n_obs = draw(st.integers(1, 12))
+    coef = draw(st.integers(1, 6))
+    n_px = draw(st.integers(1, 80))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    A = rng.standard_normal((n_obs, coef))
+    if draw(st.booleans()) and coef > 1:
+        A[:, -1] = A[:, 0]  # rank-deficient design
+    B = rng.standard_normal((n_obs, n_px))
+    B[rng.random(B.shape) < draw(st.sampled_from([0.0, 0.1, 0.5]))] = np.nan
+    if n_px > 3:
+        B[:, 0] = np.nan  # all missing
+        B[:, 1] = np.nan
+        B[0, 1] = 1.0  # one valid observation
+    if n_obs > 1 and draw(st.booleans()):
+        B[draw(st.integers(0, n_obs - 1)), : n_px // 2] = np.nan  # a common gap pattern
+    return {"A": A, "B": B, "policy": draw(st.sampled_from(["minnorm", "cholesky", "ridge"]))}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cubes(), st.sampled_from(["float64", "float32"]))
+def test_solve_block_every_pixel_is_lstsq_or_flagged(c: dict[str, Any], dtype: str) -> None:
+    from schemas.config import LstsqSolve
+    from schemas.errors import NumericalError
+    from stages.patterns import common_patterns, pattern_hash
+    from stages.solve import make_operator, solve_block
+
+    A, B, policy = c["A"], c["B"].astype(dtype), c["policy"]
+    coef = A.shape[1]
+    config = LstsqSolve(policy=policy, ridge=0.5 if policy == "ridge" else 0.0, dtype=dtype)
+    try:
+        op = make_operator(A, np.ones(A.shape[0]), config)
+    except NumericalError:
+        assert (policy == "cholesky" and np.linalg.matrix_rank(A) < coef) or dtype == "float32"
+        return
+    full = pattern_hash(np.ones((A.shape[0], 1), dtype=bool))[0]
+    gaps = common_patterns(pattern_hash(np.isfinite(B)), full)
+    out = solve_block(B, op, config, gap_patterns=gaps)
+    C, status, n_valid = out.arrays["coefficients"], out.arrays["status"], out.arrays["n_valid"]
+    tol_base = 1e-8 if dtype == "float64" else 2e-4  # float32 data: documented tolerance
+    for px in range(B.shape[1]):
+        ok = np.isfinite(B[:, px])
+        assert n_valid[px] == ok.sum()
+        if ok.sum() == 0:
+            assert status[px] == STATUS_CODES["all_missing"] and np.isnan(C[:, px]).all()
+            continue
+        if ok.sum() < op.min_valid:
+            assert status[px] == STATUS_CODES["too_few_observations"] and np.isnan(C[:, px]).all()
+            continue
+        X, y = A[ok], B[ok, px].astype(np.float64)
+        how = policy
+        if policy == "cholesky" and np.linalg.matrix_rank(X) < coef:
+            assert status[px] == STATUS_CODES["fell_back_to_minimum_norm"]
+            how = "minnorm"
+        else:
+            assert status[px] == STATUS_CODES["ok"]
+        if how == "ridge":
+            ref = np.linalg.solve(X.T @ X + 0.5 * np.eye(coef), X.T @ y)
+            kappa = np.linalg.cond(X.T @ X + 0.5 * np.eye(coef))
+        else:
+            ref, kappa = _oracle(X, y, np.ones(len(y)))
+        tol = max(tol_base, 100 * kappa * (EPS if dtype == "float64" else 6e-8))
+        err = np.linalg.norm(C[:, px].astype(np.float64) - ref)
+        assert err <= tol * max(np.linalg.norm(ref), np.linalg.norm(y) * 1e-3) + 1e-12, (
+            px,
+            err,
+            tol,
+        )
