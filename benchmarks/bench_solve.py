@@ -24,11 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 import xarray as xr
-from common import machine, median_seconds, table
 
 from schemas.config import LstsqSolve
 from stages.patterns import common_patterns, pattern_hash
 from stages.solve import SharedOperator, make_operator, solve_block
+
+from common import machine, median_seconds, table
 
 
 def verdict(ok: bool) -> str:

@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from schemas.errors import EXIT_CODE, GridsolveError
+from schemas.errors import EXIT_CODE, ConfigError, GridsolveError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +58,119 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     sub.add_parser("schema", help="print the JSON schema of the config")
+
+    srv = sub.add_parser("server", help="start a local Prefect server (UI and API) on 127.0.0.1")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    srv.add_argument("--port", type=int, default=4200)
+
+    dep = sub.add_parser(
+        "deploy", help="create the process work pool and the deployments of prefect.yaml"
+    )
+    dep.add_argument("--project", default=None, help="folder holding prefect.yaml")
+    dep.add_argument("--pool", default=POOL)
+
+    wrk = sub.add_parser("worker", help="start a Prefect worker on the gridsolve work pool")
+    wrk.add_argument("--pool", default=POOL)
+
+    sub.add_parser(
+        "serve",
+        help="serve the nightly and on-demand deployments from this process (no pool, no worker)",
+    )
     return p
+
+
+POOL = "gridsolve-process"
+
+
+def _prefect(*args: str) -> list[str]:
+    return [sys.executable, "-m", "prefect", *args]
+
+
+def _prefect_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    env.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "gridsolve")
+    env.update(extra)
+    return env
+
+
+def _project(folder: str | None) -> Path:
+    if folder is not None:
+        root = Path(folder)
+    elif (Path.cwd() / "prefect.yaml").is_file():
+        root = Path.cwd()
+    else:
+        root = Path(__file__).resolve().parent.parent
+    if not (root / "prefect.yaml").is_file():
+        raise ConfigError(
+            f"no prefect.yaml in {root}",
+            fix="run from the gridsolve checkout, or pass --project FOLDER",
+        )
+    return root
+
+
+def _need_api() -> str:
+    url = os.environ.get("PREFECT_API_URL")
+    if not url:
+        raise ConfigError(
+            "PREFECT_API_URL is not set: deployments live on a Prefect server",
+            fix="start one with `gridsolve server`, then "
+            "`export PREFECT_API_URL=http://127.0.0.1:4200/api`",
+        )
+    return url
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    """Run `prefect server start` in the foreground, with the UI pointed at itself."""
+    url = f"http://{args.host}:{args.port}"
+    print(f"Prefect UI at {url}; in other shells: export PREFECT_API_URL={url}/api")
+    env = _prefect_env(PREFECT_UI_API_URL=f"{url}/api")
+    cmd = _prefect("server", "start", "--host", args.host, "--port", str(args.port))
+    return subprocess.call(cmd, env=env)
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    """Create the work pool (if missing) and every deployment of prefect.yaml."""
+    _need_api()
+    root = _project(args.project)
+    env = _prefect_env()
+    inspect = subprocess.run(
+        _prefect("work-pool", "inspect", args.pool), env=env, capture_output=True, text=True
+    )
+    if inspect.returncode != 0:
+        subprocess.run(
+            _prefect("work-pool", "create", args.pool, "--type", "process"), env=env, check=True
+        )
+    return subprocess.call(_prefect("--no-prompt", "deploy", "--all"), cwd=root, env=env)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Run a Prefect worker on the pool in the foreground."""
+    _need_api()
+    return subprocess.call(_prefect("worker", "start", "--pool", args.pool), env=_prefect_env())
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve both deployments from this process (a lighter alternative to pool + worker)."""
+    _need_api()
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "gridsolve")
+    from prefect import serve
+    from prefect.deployments.runner import RunnerDeployment
+
+    from flows.pipeline import pipeline
+
+    nightly = pipeline.to_deployment(
+        name="nightly",
+        cron="0 2 * * *",
+        parameters={"write": {"impl": "netcdf", "path": "outputs/gridsolve-{scheduled_date}.nc"}},
+    )
+    on_demand = pipeline.to_deployment(
+        name="on-demand",
+        parameters={"write": {"impl": "netcdf", "path": "outputs/gridsolve-{flow_run_name}.nc"}},
+    )
+    assert isinstance(nightly, RunnerDeployment) and isinstance(on_demand, RunnerDeployment)
+    serve(nightly, on_demand)
+    return 0
 
 
 def _demo_config(out: Path, size: str) -> dict[str, Any]:
@@ -141,7 +254,16 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"demo": cmd_demo, "run": cmd_run, "validate": cmd_validate, "schema": cmd_schema}
+COMMANDS = {
+    "demo": cmd_demo,
+    "run": cmd_run,
+    "validate": cmd_validate,
+    "schema": cmd_schema,
+    "server": cmd_server,
+    "deploy": cmd_deploy,
+    "worker": cmd_worker,
+    "serve": cmd_serve,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import (
+    create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
     update_progress_artifact,
@@ -54,6 +55,8 @@ from schemas.config import (
 )
 from schemas.errors import GridsolveError
 from stages.context import StageContext
+from stages.quicklook import markdown as quicklook_markdown
+from stages.quicklook import write_quicklook
 from stages.registry import decl_for
 from stages.runner import cache_key, prepare_stage, reusable, run_stage, run_tile
 from stages.store import Store
@@ -446,6 +449,15 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         f"status counts {status_counts}",
     )
     logger.info("wrote %s", summary.output)
+    try:
+        picture, png = write_quicklook(summary.output)
+        create_markdown_artifact(
+            markdown=quicklook_markdown(png, picture, summary.output),
+            key="gridsolve-quicklook",
+            description="first coefficient and residual RMS maps",
+        )
+    except Exception as exc:  # a picture must never fail a run that wrote its output
+        logger.warning("quick-look picture not made: %s", exc)
     return summary
 
 
@@ -460,7 +472,19 @@ def pipeline(
     cache: CacheConfig = CacheConfig(),
     execution: ExecutionConfig = ExecutionConfig(),
 ) -> RunSummary:
-    """Fit every pixel, run the single-sample model with per-sample gradients, write NetCDF."""
+    """Fit every pixel, run the single-sample model with per-sample gradients, write NetCDF.
+
+    Args:
+        load: The cube to read (a NetCDF file), or the demo cube.
+        design: The design matrix A (obs × coef) shared by every pixel.
+        normal_equations: The shared factorisation of the design (float64).
+        solve: How each pixel's least-squares problem is solved.
+        model: The single-sample model run at every pixel, with per-sample gradients.
+        write: The output NetCDF file.
+        cache: Where stage outputs are stored and reused.
+        execution: Memory budget, tiles and task runner (never change results).
+
+    """
     quiet_user_errors()
     cfg = build_config(
         {

@@ -52,15 +52,21 @@ def package_versions() -> dict[str, str]:
 
 
 def check_output_path(path: str, overwrite: bool) -> Path:
-    """The output path, after checking that it can be written; OutputError otherwise."""
+    """The output path, its folder created if missing; OutputError if it cannot be written."""
     p = Path(path)
     parent = p.parent
-    if not parent.is_dir():
+    if parent.exists() and not parent.is_dir():
+        raise OutputError(f"output folder {parent} is a file", stage=STAGE, fix="fix write.path")
+    try:
+        parent.mkdir(
+            parents=True, exist_ok=True
+        )  # like mkdir -p: nightly runs write into new folders
+    except OSError as exc:
         raise OutputError(
-            f"output folder {parent} does not exist",
+            f"cannot create the output folder {parent}: {exc.strerror or exc}",
             stage=STAGE,
-            fix="create it, or set write.path to a file in an existing folder",
-        )
+            fix="set write.path to a writable location, or create the folder first",
+        ) from exc
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(
             f"output folder {parent} is not writable",

@@ -89,6 +89,9 @@ class PrefectServer:
             **os.environ,
             "PREFECT_HOME": str(self.home),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_UI_API_URL": self.api,
+            # schedules in tests fire within seconds, not the default minute
+            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1",
         }
         env.pop("PREFECT_API_URL", None)
         with open(self.log, "wb") as log:
@@ -154,3 +157,61 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def chain(ctx: Any) -> Chain:
     return Chain(ctx)
+
+
+# ---------------------------------------------------------------- deployments and a worker
+REPO = Path(__file__).resolve().parent.parent
+GRIDSOLVE = str(Path(sys.executable).parent / "gridsolve")
+
+
+class Worker:
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        env = {
+            **os.environ,
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PREFECT_WORKER_PREFETCH_SECONDS": "5",
+        }
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen(
+                [GRIDSOLVE, "worker"],
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def deployments(prefect_server: PrefectServer) -> dict[str, str]:
+    """`gridsolve deploy` from the checkout: name → deployment id."""
+    res = subprocess.run(
+        [GRIDSOLVE, "deploy", "--project", str(REPO)], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        found = {d.name: str(d.id) for d in client.read_deployments()}
+    assert {"nightly", "on-demand"} <= set(found), found
+    return found
+
+
+@pytest.fixture(scope="session")
+def worker(
+    deployments: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Worker]:
+    w = Worker(tmp_path_factory.mktemp("worker") / "worker.log")
+    try:
+        yield w
+    finally:
+        w.stop()

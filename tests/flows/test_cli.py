@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import xarray as xr
 import yaml
+
 from testkit import make_ds
 
 GRIDSOLVE = str(Path(sys.executable).parent / "gridsolve")

@@ -10,10 +10,11 @@ import pytest
 import xarray as xr
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-from testkit import make_ds
 
 from flows.pipeline import RunSummary, run_config
 from schemas.config import build_config
+
+from testkit import make_ds
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from testkit import Chain, make_ds
 
 from schemas.config import (
     HarmonicDesign,
@@ -17,6 +16,8 @@ from schemas.config import (
     VariableDesign,
 )
 from schemas.errors import ContractError
+
+from testkit import Chain, make_ds
 
 
 def _days(ds: Any) -> np.ndarray:

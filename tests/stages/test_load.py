@@ -9,12 +9,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from testkit import make_ds
 
 from schemas.artifacts import Tile
 from schemas.config import NetCDFLoad
 from schemas.errors import ContractError, InputError
 from stages.load import fingerprint, infer_dims, read_block, run
+
+from testkit import make_ds
 
 
 @pytest.mark.parametrize(

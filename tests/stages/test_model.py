@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-from testkit import Chain, make_ds
 
 from schemas.config import (
     LstsqSolve,
@@ -23,6 +22,8 @@ from schemas.config import (
 from schemas.errors import ConfigError, ContractError, InputError
 from stages.model import build_module
 from stages.models import MultidimLinear
+
+from testkit import Chain, make_ds
 
 
 def run_model(

@@ -9,11 +9,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from testkit import Chain
 
 import stages.registry as registry
 from schemas.config import DEMO_DEFAULTS, NetCDFLoad, PipelineConfig, build_config
 from schemas.errors import ConfigError
+
+from testkit import Chain
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from testkit import Chain, make_ds
 
 from schemas.artifacts import Tile
 from schemas.config import (
@@ -20,6 +19,8 @@ from schemas.config import (
 )
 from schemas.contracts import STATUS_CODES
 from schemas.errors import NumericalError
+
+from testkit import Chain, make_ds
 
 
 def solve_cube(

@@ -11,7 +11,6 @@ import netCDF4
 import numpy as np
 import pytest
 import xarray as xr
-from testkit import Chain, make_ds
 
 from schemas.artifacts import Tile
 from schemas.config import (
@@ -24,6 +23,8 @@ from schemas.config import (
 )
 from schemas.contracts import STATUS_FLAGS
 from schemas.errors import ContractError, OutputError
+
+from testkit import Chain, make_ds
 
 
 def build(chain: Chain, path: Path, tiles: list[Tile] | None = None, **model: Any) -> None:
@@ -104,9 +105,12 @@ def test_rewrite_is_bit_identical(built: Chain, tmp_path: Path) -> None:
     assert out.read_bytes() == first
 
 
-def test_missing_or_unwritable_output_folder(built: Chain, tmp_path: Path) -> None:
-    with pytest.raises(OutputError, match="does not exist"):
-        built.whole("write", NetCDFWrite(path=str(tmp_path / "no" / "out.nc")))
+def test_output_folder_created_or_refused(built: Chain, tmp_path: Path) -> None:
+    built.whole("write", NetCDFWrite(path=str(tmp_path / "new" / "day" / "out.nc")))
+    assert (tmp_path / "new" / "day" / "out.nc").is_file()  # folders are created
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputError, match="is a file"):
+        built.whole("write", NetCDFWrite(path=str(tmp_path / "file" / "out.nc")))
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)
     if os.geteuid() != 0:

