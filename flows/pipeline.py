@@ -9,6 +9,7 @@ Prefect UI and is not run at all.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -304,61 +305,41 @@ def _tile_refs(
     return out
 
 
-def run_pipeline(cfg: PipelineConfig) -> RunSummary:
-    """Run every stage of ``cfg`` inside the current flow run; returns the summary."""
+class PreparedStage(BaseModel):
+    """The once-per-stage part of a tiled stage, as run (or reused) by the flow."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run: StageRun
+    hit: bool
+    seconds: float
+
+
+class TilePhase(BaseModel):
+    """What the tiled stages produced: their refs, summary rows and pixel status counts."""
+
+    model_config = ConfigDict(frozen=True)
+
+    refs: dict[str, TiledRef]
+    rows: list[StageSummary]
+    status_counts: dict[str, int]
+
+
+def run_tiles(
+    cfg: PipelineConfig,
+    refs: dict[str, Ref],
+    prepared: dict[str, PreparedStage],
+    tiles: list[Tile],
+) -> TilePhase:
+    """Submit every tile of the tiled stages to the current task runner and collect them."""
     logger = get_run_logger()
-    cfg = render_paths(cfg, template_values())
-    records = Path(cfg.cache.root).expanduser().resolve() / PREFECT_RECORDS
-    opts: dict[str, Any] = {"result_storage": records}
-    cache, execution = cfg.cache, cfg.execution
+    refs = dict(refs)
+    out_refs: dict[str, TiledRef] = {}
     rows: list[StageSummary] = []
-    refs: dict[str, Ref] = {}
-
-    for kind in WHOLE:
-        conf = getattr(cfg, kind)
-        decl = decl_for(conf)
-        t0 = time.perf_counter()
-        state = stage_task.with_options(name=kind, **opts)(
-            conf, {k: refs[k] for k in decl.inputs}, cache, execution, return_state=True
-        )
-        run: StageRun = state.result()
-        refs[kind] = run.ref
-        rows.append(
-            _row(kind, conf.impl, run.ref.key, [_hit(state, run)], time.perf_counter() - t0, 0)
-        )
-        logger.info("%s/%s %s (key %s)", kind, conf.impl, rows[-1].cache, run.ref.key[:12])
-
-    prepared: dict[str, tuple[StageRun, bool, float]] = {}
-    for kind in TILED:
-        conf = getattr(cfg, kind)
-        decl = decl_for(conf)
-        t0 = time.perf_counter()
-        state = prepare_task.with_options(name=f"{kind}-prepare", **opts)(
-            conf, {k: refs[k] for k in decl.inputs}, cache, execution, return_state=True
-        )
-        run = state.result()
-        prepared[kind] = (run, _hit(state, run), time.perf_counter() - t0)
-        refs[kind] = TiledRef(
-            kind=kind, impl=conf.impl, key=run.ref.meta["_stage_key"], prepared=run.ref, tiles=()
-        )
-
-    load_meta = run_meta(refs["load"])
-    coef = int(run_meta(refs["design"])["coef"])
-    write_conf = cfg.write
-    align = (
-        chunk_alignment(write_conf, load_meta["y_dim"], load_meta["x_dim"])
-        if isinstance(write_conf, NetCDFWrite)
-        else (1, 1)
-    )
-    tiles = tiles_for(
-        load_meta,
-        coef,
-        prepared["model"][0].ref.meta,
-        execution.memory_budget_bytes,
-        execution.tile_pixels,
-        align,
-    )
-    logger.info("grid %d×%d in %d tile(s)", load_meta["ny"], load_meta["nx"], len(tiles))
+    cache, execution = cfg.cache, cfg.execution
+    opts: dict[str, Any] = {
+        "result_storage": Path(cache.root).expanduser().resolve() / PREFECT_RECORDS
+    }
     progress = create_progress_artifact(progress=0.0, description="tiles done (solve and model)")
     assert isinstance(progress, UUID)
     total = 2 * len(tiles)
@@ -368,7 +349,8 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     for kind in TILED:
         conf = getattr(cfg, kind)
         decl = decl_for(conf)
-        prep_run, prep_hit, prep_seconds = prepared[kind]
+        prep = prepared[kind]
+        prep_run, prep_hit, prep_seconds = prep.run, prep.hit, prep.seconds
         t0 = time.perf_counter()
         futures: dict[PrefectFuture[StageRun], Tile] = {}
         task_fn = tile_task.with_options(name=f"{kind}-tile", **opts)
@@ -394,8 +376,10 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
                     status_counts[name] = status_counts.get(name, 0) + int(n)
             done += 1
             update_progress_artifact(progress, progress=100.0 * done / total)
+            if total > 2 and (done % max(1, total // 20) == 0 or done == total):
+                logger.info("tiles %d/%d done (%s)", done, total, kind)
         tile_runs[kind] = by_index
-        refs[kind] = TiledRef(
+        refs[kind] = out_refs[kind] = TiledRef(
             kind=kind,
             impl=conf.impl,
             key=prep_run.ref.meta["_stage_key"],
@@ -414,6 +398,115 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
             )
         )
         logger.info("%s/%s %s over %d tile(s)", kind, conf.impl, rows[-1].cache, len(tiles))
+    return TilePhase(refs=out_refs, rows=rows, status_counts=status_counts)
+
+
+@flow(name="gridsolve-tiles", persist_result=False, validate_parameters=False)
+def tiles_flow(
+    cfg: PipelineConfig,
+    refs: dict[str, Ref],
+    prepared: dict[str, PreparedStage],
+    tiles: list[Tile],
+) -> TilePhase:
+    """The tiled stages on another task runner (Dask): a subflow, since a runner is per flow."""
+    return run_tiles(cfg, refs, prepared, tiles)
+
+
+def dask_runner(execution: ExecutionConfig) -> Any:
+    """A DaskTaskRunner on the configured scheduler, or on a new LocalCluster."""
+    from prefect.settings import get_current_settings
+    from prefect_dask.task_runners import DaskTaskRunner
+
+    if execution.dask_address:
+        # Workers of an existing cluster need gridsolve, PREFECT_API_URL and the store's path.
+        return DaskTaskRunner(address=execution.dask_address)
+    threads = str(max(1, (os.cpu_count() or 1) // execution.dask_workers))
+    env = {
+        # Without it every worker would start its own temporary Prefect server.
+        "PREFECT_API_URL": str(get_current_settings().api.url or ""),
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "gridsolve",
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+    }
+    return DaskTaskRunner(
+        cluster_class="distributed.LocalCluster",
+        cluster_kwargs={
+            "n_workers": execution.dask_workers,
+            "threads_per_worker": 1,
+            "processes": True,
+            "host": "127.0.0.1",
+            "dashboard_address": None,
+            "env": env,
+        },
+    )
+
+
+def run_pipeline(cfg: PipelineConfig) -> RunSummary:
+    """Run every stage of ``cfg`` inside the current flow run; returns the summary."""
+    logger = get_run_logger()
+    cfg = render_paths(cfg, template_values())
+    records = Path(cfg.cache.root).expanduser().resolve() / PREFECT_RECORDS
+    opts: dict[str, Any] = {"result_storage": records}
+    cache, execution = cfg.cache, cfg.execution
+    rows: list[StageSummary] = []
+    refs: dict[str, Ref] = {}
+
+    for kind in WHOLE:
+        conf = getattr(cfg, kind)
+        decl = decl_for(conf)
+        t0 = time.perf_counter()
+        state = stage_task.with_options(name=kind, **opts)(
+            conf, {k: refs[k] for k in decl.inputs}, cache, execution, return_state=True
+        )
+        run: StageRun = state.result()
+        refs[kind] = run.ref
+        rows.append(
+            _row(kind, conf.impl, run.ref.key, [_hit(state, run)], time.perf_counter() - t0, 0)
+        )
+        logger.info("%s/%s %s (key %s)", kind, conf.impl, rows[-1].cache, run.ref.key[:12])
+
+    prepared: dict[str, PreparedStage] = {}
+    for kind in TILED:
+        conf = getattr(cfg, kind)
+        decl = decl_for(conf)
+        t0 = time.perf_counter()
+        state = prepare_task.with_options(name=f"{kind}-prepare", **opts)(
+            conf, {k: refs[k] for k in decl.inputs}, cache, execution, return_state=True
+        )
+        run = state.result()
+        prepared[kind] = PreparedStage(
+            run=run, hit=_hit(state, run), seconds=time.perf_counter() - t0
+        )
+        refs[kind] = TiledRef(
+            kind=kind, impl=conf.impl, key=run.ref.meta["_stage_key"], prepared=run.ref, tiles=()
+        )
+
+    load_meta = run_meta(refs["load"])
+    coef = int(run_meta(refs["design"])["coef"])
+    write_conf = cfg.write
+    align = (
+        chunk_alignment(write_conf, load_meta["y_dim"], load_meta["x_dim"])
+        if isinstance(write_conf, NetCDFWrite)
+        else (1, 1)
+    )
+    tiles = tiles_for(
+        load_meta,
+        coef,
+        prepared["model"].run.ref.meta,
+        execution.memory_budget_bytes,
+        execution.tile_pixels,
+        align,
+    )
+    logger.info("grid %d×%d in %d tile(s)", load_meta["ny"], load_meta["nx"], len(tiles))
+    if execution.runner == "dask":
+        phase = tiles_flow.with_options(task_runner=dask_runner(execution))(
+            cfg, refs, prepared, tiles
+        )
+    else:
+        phase = run_tiles(cfg, refs, prepared, tiles)
+    refs.update(phase.refs)
+    rows.extend(phase.rows)
+    status_counts = phase.status_counts
 
     conf = cfg.write
     decl = decl_for(conf)
