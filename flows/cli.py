@@ -122,11 +122,12 @@ def _need_api() -> str:
 
 def cmd_server(args: argparse.Namespace) -> int:
     """Run `prefect server start` in the foreground, with the UI pointed at itself."""
-    url = f"http://{args.host}:{args.port}"
-    print(f"Prefect UI at {url}; in other shells: export PREFECT_API_URL={url}/api")
-    env = _prefect_env(PREFECT_UI_API_URL=f"{url}/api")
-    cmd = _prefect("server", "start", "--host", args.host, "--port", str(args.port))
-    return subprocess.call(cmd, env=env)
+    from flows.localserver import LocalServer
+
+    home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
+    server = LocalServer(home, port=args.port, host=args.host)
+    print(f"Prefect UI at {server.url}; in other shells: export PREFECT_API_URL={server.api}")
+    return subprocess.call(server.command(), env=server.env())
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -219,6 +220,7 @@ def _run(config_path: Path, overrides: Sequence[str]) -> int:
     cfg = load_config(config_path, overrides)
     summary = run_config(cfg)
     print(summary.table())
+    print(f"tiles: {summary.tiles}")
     if summary.status_counts:
         print(
             "pixel status: "

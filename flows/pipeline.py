@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -325,6 +326,46 @@ class TilePhase(BaseModel):
     status_counts: dict[str, int]
 
 
+def _submit_tile(
+    task_fn: Any,
+    kind: str,
+    conf: StageConfig,
+    decl_inputs: Sequence[str],
+    refs: Mapping[str, Ref],
+    tile_runs: Mapping[str, dict[int, ArtifactRef]],
+    prepared: ArtifactRef,
+    cache: CacheConfig,
+    execution: ExecutionConfig,
+    tile: Tile,
+) -> PrefectFuture[StageRun]:
+    named = task_fn.with_options(task_run_name=f"{kind}-tile-{tile.index}")
+    future: PrefectFuture[StageRun] = named.submit(
+        conf, _tile_refs(decl_inputs, refs, tile_runs, tile), prepared, tile, cache, execution
+    )
+    return future
+
+
+def completed_in_window(
+    tiles: Sequence[Tile],
+    submit: Callable[[Tile], PrefectFuture[StageRun]],
+    window: int,
+) -> Iterator[tuple[Tile, PrefectFuture[StageRun]]]:
+    """Submit tiles keeping at most ``window`` in flight; yield each as it completes."""
+    queue = iter(tiles)
+    pending: dict[PrefectFuture[StageRun], Tile] = {}
+
+    def fill() -> None:
+        while len(pending) < window and (tile := next(queue, None)) is not None:
+            pending[submit(tile)] = tile
+
+    fill()
+    while pending:
+        fut = next(as_completed(list(pending)))
+        tile = pending.pop(fut)
+        fill()
+        yield tile, fut
+
+
 def run_tiles(
     cfg: PipelineConfig,
     refs: dict[str, Ref],
@@ -340,6 +381,13 @@ def run_tiles(
     opts: dict[str, Any] = {
         "result_storage": Path(cache.root).expanduser().resolve() / PREFECT_RECORDS
     }
+    # Threads: max_workers tiles at a time. Dask: each worker runs one tile at a time,
+    # so keep every worker busy (an existing cluster may have many).
+    window = (
+        execution.max_workers
+        if execution.runner == "threads"
+        else max(64, 4 * execution.dask_workers)
+    )
     progress = create_progress_artifact(progress=0.0, description="tiles done (solve and model)")
     assert isinstance(progress, UUID)
     total = 2 * len(tiles)
@@ -352,22 +400,21 @@ def run_tiles(
         prep = prepared[kind]
         prep_run, prep_hit, prep_seconds = prep.run, prep.hit, prep.seconds
         t0 = time.perf_counter()
-        futures: dict[PrefectFuture[StageRun], Tile] = {}
-        task_fn = tile_task.with_options(name=f"{kind}-tile", **opts)
-        for tile in tiles:
-            fut = task_fn.with_options(task_run_name=f"{kind}-tile-{tile.index}").submit(
-                conf,
-                _tile_refs(decl.inputs, refs, tile_runs, tile),
-                prep_run.ref,
-                tile,
-                cache,
-                execution,
-            )
-            futures[fut] = tile
+        submit = partial(
+            _submit_tile,
+            tile_task.with_options(name=f"{kind}-tile", **opts),
+            kind,
+            conf,
+            decl.inputs,
+            refs,
+            tile_runs,
+            prep_run.ref,
+            cache,
+            execution,
+        )
         hits: list[bool] = [prep_hit]
         by_index: dict[int, ArtifactRef] = {}
-        for fut in as_completed(list(futures)):
-            tile = futures[fut]
+        for tile, fut in completed_in_window(tiles, submit, window):
             run = fut.result()
             by_index[tile.index] = run.ref
             hits.append(_hit(fut.state, run))

@@ -742,5 +742,15 @@ def config_to_yaml(cfg: PipelineConfig) -> str:
 
 
 def render_template(text: str, values: Mapping[str, str]) -> str:
-    """``text`` with its ``{name}`` placeholders replaced by ``values``."""
-    return re.sub(r"{(\w+)}", lambda m: values[m.group(1)], text)
+    """``text`` with its ``{name}`` placeholders replaced by ``values``.
+
+    Values become single path components: anything but letters, digits, ``-``,
+    ``_`` and ``.`` is replaced by ``_``, and ``..`` cannot be produced, so a
+    run name can never move a path to another folder.
+    """
+
+    def safe(name: str) -> str:
+        value = re.sub(r"[^\w.-]", "_", values[name])
+        return re.sub(r"\.\.+", "_", value) or "_"
+
+    return re.sub(r"{(\w+)}", lambda m: safe(m.group(1)), text)

@@ -230,6 +230,8 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
     var = config.variable
     if var is None:
         cubes = [n for n in names if ds[n].ndim == 3 and numeric_kind(ds[n].dtype)]
+        if len(cubes) != 1 and len(names) == 1:
+            cubes = names  # the only variable: its own checks say what is wrong with it
         if len(cubes) != 1:
             raise ContractError(
                 "cannot tell which variable is the cube",
@@ -288,9 +290,15 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
     aux: dict[str, dict[str, Any]] = {}
     if config.design is not None:
         d: xr.DataArray = ds[config.design]
-        if d.ndim != 2 or obs_dim not in d.dims:
+        if d.ndim != 2:
             problems.append(
-                f"design {config.design!r}: expected dims ({obs_dim}, coef), found {list(d.dims)}"
+                f"design {config.design!r}: expected 2 dims ({obs_dim}, coef), found {list(d.dims)}"
+            )
+        elif obs_dim not in d.dims:
+            rows = ", ".join(f"{k}={v}" for k, v in d.sizes.items())
+            problems.append(
+                f"design {config.design!r}: expected dims ({obs_dim}, coef) with {n_obs} rows "
+                f"(one per observation), found ({rows})"
             )
         elif d.sizes[obs_dim] != n_obs:
             problems.append(

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,6 +33,7 @@ import xxhash
 
 from schemas.artifacts import Tile
 from schemas.errors import StoreError
+from stages.paths import ensure_allowed, owner_is_dead, writer_tag
 
 log = logging.getLogger("gridsolve.store")
 
@@ -121,16 +121,6 @@ def _file_checksum(path: Path) -> str:
     return h.hexdigest()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Store:
     """A content-addressed store of stage artifacts under ``root``."""
 
@@ -139,7 +129,7 @@ class Store:
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, root: str | Path) -> None:
-        self.root = Path(root).expanduser().resolve()
+        self.root = ensure_allowed(root, "cache folder")
         try:
             for sub in ("objects", "tmp", "corrupt"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -161,16 +151,13 @@ class Store:
         return self.root / "objects" / key[:2] / key
 
     def _sweep_tmp(self) -> None:
-        host = socket.gethostname()
         for entry in (self.root / "tmp").iterdir():
-            parts = entry.name.split("~")
-            mine = len(parts) == 3 and parts[0] == host and parts[1].isdigit()
-            if mine and not _pid_alive(int(parts[1])):
+            if owner_is_dead(entry.name.rpartition("~")[0]):
                 shutil.rmtree(entry, ignore_errors=True)
 
     @contextlib.contextmanager
     def _tmpdir(self) -> Iterator[Path]:
-        tmp = self.root / "tmp" / f"{socket.gethostname()}~{os.getpid()}~{uuid.uuid4().hex}"
+        tmp = self.root / "tmp" / f"{writer_tag()}~{uuid.uuid4().hex}"
         tmp.mkdir()
         try:
             yield tmp

@@ -31,6 +31,7 @@ from schemas.contracts import STATUS_FLAGS
 from schemas.errors import ContractError, GridsolveError, OutputError
 from stages.context import StageContext
 from stages.hashing import file_digest
+from stages.paths import ensure_allowed, owner_is_dead, writer_tag
 from stages.registry import StageDecl, register
 from stages.store import Artifact, StageOutput, TiledArtifact
 
@@ -51,9 +52,25 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+def _free_bytes(folder: Path) -> int:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return 2**62
+    return st.f_bavail * st.f_frsize
+
+
+def _sweep_dead_temporaries(final: Path) -> None:
+    """Remove temporary files that killed writers left beside ``final``."""
+    for tmp in final.parent.glob(f".{final.name}.gridsolve~*.tmp"):
+        tag = tmp.name.split("~", 1)[1].rsplit("~", 1)[0]
+        if owner_is_dead(tag):
+            tmp.unlink(missing_ok=True)
+
+
 def check_output_path(path: str, overwrite: bool) -> Path:
     """The output path, its folder created if missing; OutputError if it cannot be written."""
-    p = Path(path)
+    p = ensure_allowed(path, "output file", STAGE)
     parent = p.parent
     if parent.exists() and not parent.is_dir():
         raise OutputError(f"output folder {parent} is a file", stage=STAGE, fix="fix write.path")
@@ -232,7 +249,8 @@ def write_netcdf(
 ) -> Path:
     """Write the output file atomically and return its path."""
     final = check_output_path(config.path, config.overwrite)
-    tmp = final.with_name(f".{final.name}.gridsolve-{uuid.uuid4().hex[:12]}.tmp")
+    _sweep_dead_temporaries(final)
+    tmp = final.with_name(f".{final.name}.gridsolve~{writer_tag()}~{uuid.uuid4().hex[:12]}.tmp")
     y_dim, x_dim = load.meta["y_dim"], load.meta["x_dim"]
     ny, nx = int(load.meta["ny"]), int(load.meta["nx"])
     variables = _variables(load, solve, model)
@@ -278,10 +296,12 @@ def write_netcdf(
         os.replace(tmp, final)
     except GridsolveError:
         raise
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC or "No space" in str(exc) or "HDF error" in str(exc):
+    except (OSError, RuntimeError) as exc:
+        # HDF5 reports a full disk or a size limit as a generic "HDF error".
+        space = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+        if space or "HDF error" in str(exc) or _free_bytes(final.parent) < 2**20:
             raise OutputError(
-                f"writing {final} failed: the disk is full (or the write was cut short)",
+                f"writing {final} failed: no space left (disk full, quota or file size limit)",
                 stage=STAGE,
                 found=f"{type(exc).__name__}: {exc}",
                 fix="free disk space or write to a larger disk; "
@@ -291,14 +311,7 @@ def write_netcdf(
             f"writing {final} failed",
             stage=STAGE,
             found=f"{type(exc).__name__}: {exc}",
-            fix="check write.path",
-        ) from exc
-    except RuntimeError as exc:
-        raise OutputError(
-            f"writing {final} failed (the disk may be full)",
-            stage=STAGE,
-            found=f"{type(exc).__name__}: {exc}",
-            fix="free disk space or write elsewhere; nothing was written under the final name",
+            fix="check write.path; nothing was written under the final name",
         ) from exc
     finally:
         if tmp.exists():

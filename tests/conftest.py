@@ -11,12 +11,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,12 +21,7 @@ from typing import Any
 import pytest
 import xarray as xr
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+from flows.localserver import LocalServer, free_port
 
 _PREFECT_HOME = Path(tempfile.mkdtemp(prefix="gridsolve-prefect-home-"))
 _PREFECT_PORT = free_port()
@@ -39,6 +31,8 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
 os.environ["PYTHONUNBUFFERED"] = "1"
+
+import stages  # noqa: E402, F401  (registers the built-in implementations)
 
 from testkit import Chain, make_ds  # noqa: E402
 
@@ -75,71 +69,10 @@ def ctx(store: Any) -> Any:
 
 
 # ---------------------------------------------------------------- prefect server
-class PrefectServer:
-    def __init__(self, home: Path, port: int) -> None:
-        self.home = home
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.api = f"{self.url}/api"
-        self.log = home / "server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 120.0) -> None:
-        env = {
-            **os.environ,
-            "PREFECT_HOME": str(self.home),
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_UI_API_URL": self.api,
-            # schedules in tests fire within seconds, not the default minute
-            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1",
-        }
-        env.pop("PREFECT_API_URL", None)
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "prefect",
-                    "server",
-                    "start",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                ],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited early:\n{self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.api}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(
-            f"prefect server not healthy after {timeout}s:\n{self.log.read_text()[-3000:]}"
-        )
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
 @pytest.fixture(scope="session")
-def prefect_server() -> Iterator[PrefectServer]:
-    server = PrefectServer(_PREFECT_HOME, _PREFECT_PORT)
+def prefect_server() -> Iterator[LocalServer]:
+    # Schedules in tests fire within seconds, not the default minute.
+    server = LocalServer(_PREFECT_HOME, _PREFECT_PORT, scheduler_seconds=1)
     server.start()
     try:
         yield server
@@ -192,7 +125,7 @@ class Worker:
 
 
 @pytest.fixture(scope="session")
-def deployments(prefect_server: PrefectServer) -> dict[str, str]:
+def deployments(prefect_server: LocalServer) -> dict[str, str]:
     """`gridsolve deploy` from the checkout: name → deployment id."""
     res = subprocess.run(
         [GRIDSOLVE, "deploy", "--project", str(REPO)], capture_output=True, text=True, timeout=300

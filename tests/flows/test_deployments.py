@@ -118,3 +118,23 @@ def test_a_schedule_fires_without_any_manual_trigger(
             client.delete_deployment_schedule(dep_id, schedule.id)
     assert done, "no scheduled run completed within 240 s"
     assert list(tmp_path.glob("out-*.nc"))
+
+
+def test_bad_input_is_a_failed_run_with_its_message_and_the_worker_lives_on(
+    tmp_path: Path, worker: Any
+) -> None:
+    bad = params(tmp_path, tmp_path / "no-such-cube.nc")
+    run = run_deployment("gridsolve/on-demand", parameters=bad, timeout=600)
+    assert run.state is not None and run.state.is_failed(), run.state
+    assert "input file not found" in (run.state.message or "")
+    assert worker.proc.poll() is None  # a failed run is not a crashed worker
+    good = run_deployment(
+        "gridsolve/on-demand", parameters=params(tmp_path, write_cube_for(tmp_path)), timeout=600
+    )
+    assert good.state is not None and good.state.is_completed()
+
+
+def write_cube_for(tmp_path: Path) -> Path:
+    path = tmp_path / "good.nc"
+    make_ds().to_netcdf(path)
+    return path

@@ -133,3 +133,13 @@ def test_plugin_design_is_chosen_by_config_in_the_flow(tmp_path: Path, write_cub
         my_stage.uninstall()
     with xr.open_dataset(summary.output) as out:
         assert list(out["coef"].values) == ["P0", "P1", "P2", "P3"]
+
+
+def test_servers_listen_on_loopback_only(prefect_server: Any) -> None:
+    listening = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, port = local.split(":")
+        if state == "0A" and int(port, 16) == prefect_server.port:  # 0A: LISTEN
+            listening.append(addr)
+    assert listening == ["0100007F"], listening  # 127.0.0.1

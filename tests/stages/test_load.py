@@ -129,7 +129,7 @@ def test_design_variable_with_wrong_rows(ctx: Any, write_cube: Any) -> None:
     ds = make_ds()
     ds["A"] = (("t2", "coef"), np.ones((5, 3)))
     path = write_cube(ds, "d.nc")
-    with pytest.raises(ContractError, match=r"expected dims \(time, coef\)"):
+    with pytest.raises(ContractError, match=r"expected dims \(time, coef\) with 12 rows"):
         run(NetCDFLoad(path=str(path), variable="signal", design="A"), {}, ctx)
 
 

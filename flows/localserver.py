@@ -1,0 +1,125 @@
+"""A local Prefect server started by gridsolve itself: `gridsolve server`, tests, benchmarks.
+
+It listens on 127.0.0.1 unless told otherwise, keeps its database under the
+given PREFECT_HOME, and points the UI at its own API. Started in a new process
+session so that stopping it stops every process it spawned.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def server_env(home: Path, api: str, scheduler_seconds: int | None = None) -> dict[str, str]:
+    """Environment of a `prefect server start` process."""
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_API_URL": api,
+    }
+    env.pop("PREFECT_API_URL", None)
+    if scheduler_seconds is not None:
+        env["PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS"] = str(scheduler_seconds)
+    return env
+
+
+class LocalServer:
+    """A `prefect server start` child process and its address."""
+
+    def __init__(
+        self,
+        home: Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        scheduler_seconds: int | None = None,
+    ) -> None:
+        self.home = Path(home)
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.api = f"{self.url}/api"
+        self.log = self.home / "server.log"
+        self.scheduler_seconds = scheduler_seconds
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        """The command line that runs the server."""
+        return [
+            sys.executable,
+            "-m",
+            "prefect",
+            "server",
+            "start",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
+
+    def env(self) -> dict[str, str]:
+        """The server's environment."""
+        return server_env(self.home, self.api, self.scheduler_seconds)
+
+    def healthy(self) -> bool:
+        """Whether the API answers its health check."""
+        try:
+            with urllib.request.urlopen(f"{self.api}/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def start(self, timeout: float = 120.0) -> LocalServer:
+        """Start in the background and wait until healthy."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited early:\n{self.tail()}")
+            if self.healthy():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"prefect server not healthy after {timeout:.0f} s:\n{self.tail()}")
+
+    def tail(self, n: int = 3000) -> str:
+        """The end of the server's log."""
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def stop(self) -> None:
+        """Stop the server and everything it started."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
