@@ -24,6 +24,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def stop_group(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """Stop a process started in its own session, and all it spawned (TERM, then KILL)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def server_env(home: Path, api: str, scheduler_seconds: int | None = None) -> dict[str, str]:
     """Environment of a `prefect server start` process."""
     env = {
@@ -110,13 +121,8 @@ class LocalServer:
 
     def stop(self) -> None:
         """Stop the server and everything it started."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        if self.proc is not None:
+            stop_group(self.proc)
 
     def __enter__(self) -> LocalServer:
         return self.start()

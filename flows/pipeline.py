@@ -511,6 +511,14 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
             _row(kind, conf.impl, run.ref.key, [_hit(state, run)], time.perf_counter() - t0, 0)
         )
         logger.info("%s/%s %s (key %s)", kind, conf.impl, rows[-1].cache, run.ref.key[:12])
+        if kind == "design":
+            m = run.ref.meta
+            logger.info(
+                "design: %d coefficients, rank %d, condition number %.3g",
+                m["coef"],
+                m["rank"],
+                m["cond"],
+            )
 
     prepared: dict[str, PreparedStage] = {}
     for kind in TILED:

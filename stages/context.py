@@ -1,26 +1,18 @@
 """What a stage function may know about the run besides its config and inputs.
 
-Nothing here affects results: the memory budget and the device only change
-speed and placement; the logger and progress callback only report.
+Nothing here affects results: the memory budget only changes speed and tile
+sizes; the logger only reports.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from schemas.errors import ConfigError
 from stages.store import Store
-
-ProgressFn = Callable[[float, str], None]
-
-
-def _no_progress(fraction: float, message: str) -> None:
-    return None
 
 
 @dataclass
@@ -30,14 +22,8 @@ class StageContext:
     store: Store
     memory_budget: int = 2**30
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("gridsolve"))
-    progress: ProgressFn = _no_progress
     #: key of the stage (or tile) being run; set by the runner
     key: str = ""
-
-    @property
-    def scratch(self) -> Path:
-        """A folder under the store for stage-owned files (e.g. demo inputs)."""
-        return self.store.root
 
 
 def resolve_device(name: str) -> torch.device:

@@ -535,38 +535,18 @@ def _netcdf_config(config: NetCDFLoad | DemoLoad, ctx: StageContext) -> tuple[st
     return config.path, config
 
 
-def bytes_per_pixel(meta: Mapping[str, Any]) -> int:
-    """Bytes one pixel of the cube takes in memory when read as floats."""
-    itemsize = (
-        max(4, np.dtype(meta["dtype"]).itemsize) if np.dtype(meta["dtype"]).kind == "f" else 8
+for _impl, _cfg, _summary in (
+    ("netcdf", NetCDFLoad, "check and hash a NetCDF cube"),
+    ("demo", DemoLoad, "seeded synthetic cube (written once as NetCDF)"),
+):
+    register(
+        StageDecl(
+            kind="load",
+            impl=_impl,
+            version=VERSION,
+            config=_cfg,
+            run=run,
+            fingerprint=fingerprint,
+            summary=_summary,
+        )
     )
-    return int(meta["n_obs"]) * itemsize
-
-
-def total_pixels(meta: Mapping[str, Any]) -> int:
-    """Pixels in the grid."""
-    return int(meta["ny"]) * int(meta["nx"])
-
-
-register(
-    StageDecl(
-        kind="load",
-        impl="netcdf",
-        version=VERSION,
-        config=NetCDFLoad,
-        run=run,
-        fingerprint=fingerprint,
-        summary="check and hash a NetCDF cube",
-    )
-)
-register(
-    StageDecl(
-        kind="load",
-        impl="demo",
-        version=VERSION,
-        config=DemoLoad,
-        run=run,
-        fingerprint=fingerprint,
-        summary="seeded synthetic cube (written once as NetCDF)",
-    )
-)

@@ -393,7 +393,6 @@ def run_tile(
                     put(f"jac:{k}", v, sel)
             if j[1] is not None:
                 put("jac:input", j[1], sel)
-        ctx.progress(min(1.0, (start + len(sel)) / max(1, len(ok))), f"model tile {tile.index}")
 
     ny, nx = tile.shape
     return StageOutput(

@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -375,12 +374,6 @@ def run_tile(
     ny, nx = tile.shape
     out.arrays = {k: v.reshape(*v.shape[:-1], ny, nx) for k, v in out.arrays.items()}
     return out
-
-
-def tile_bytes_per_pixel(load_meta: Mapping[str, Any], coef: int, config: LstsqSolve) -> int:
-    """Rough memory one pixel of a tile takes in this stage (inputs, outputs, masks)."""
-    n_obs = int(load_meta["n_obs"])
-    return 8 * n_obs * 2 + n_obs + np.dtype(config.dtype).itemsize * (coef + 1) + 8
 
 
 register(

@@ -284,15 +284,12 @@ def write_netcdf(
                     fill_value=fill,
                 )
                 var.setncatts(v["attrs"])
-            for i, ((tile, s_art), (_, m_art)) in enumerate(
-                zip(solve.tiles, model.tiles, strict=True)
-            ):
+            for (tile, s_art), (_, m_art) in zip(solve.tiles, model.tiles, strict=True):
                 arts = {"solve": s_art, "model": m_art}
                 ys, xs = slice(tile.y0, tile.y1), slice(tile.x0, tile.x1)
                 for v in variables:
                     data = arts[v["src"][0]].array(v["src"][1])
                     nc.variables[v["name"]][(..., ys, xs)] = data
-                ctx.progress((i + 1) / len(solve.tiles), f"write tile {i + 1}/{len(solve.tiles)}")
         os.replace(tmp, final)
     except GridsolveError:
         raise

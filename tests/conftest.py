@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 import xarray as xr
 
-from flows.localserver import LocalServer, free_port
+from flows.localserver import LocalServer, free_port, stop_group
 
 _PREFECT_HOME = Path(tempfile.mkdtemp(prefix="gridsolve-prefect-home-"))
 _PREFECT_PORT = free_port()
@@ -115,13 +114,7 @@ class Worker:
             )
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc)
 
 
 @pytest.fixture(scope="session")
