@@ -55,7 +55,7 @@ from schemas.config import (
     build_config,
     render_template,
 )
-from schemas.errors import GridsolveError
+from schemas.errors import GridsolveError, is_transient
 from stages.context import StageContext
 from stages.quicklook import markdown as quicklook_markdown
 from stages.quicklook import write_quicklook
@@ -148,10 +148,8 @@ def _no_retry_for_user_errors(task: Any, task_run: Any, state: State[Any]) -> bo
     """Retry transient failures (I/O), never bad input or config."""
     try:
         state.result()
-    except GridsolveError:
-        return False
-    except Exception:
-        return True
+    except Exception as exc:
+        return is_transient(exc)
     return False
 
 

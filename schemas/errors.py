@@ -27,8 +27,11 @@ class GridsolveError(Exception):
         found: str | None = None,
         fix: str | None = None,
         violations: Sequence[str] = (),
+        transient: bool = False,
     ) -> None:
         self.problem = problem
+        #: an I/O hiccup that a retry may cure (never bad input or config)
+        self.transient = transient
         self.stage = stage
         self.expected = expected
         self.found = found
@@ -69,6 +72,7 @@ class GridsolveError(Exception):
                 self.found,
                 self.fix,
                 tuple(self.violations),
+                self.transient,
             ),
         )
 
@@ -81,8 +85,24 @@ def _rebuild(
     found: str | None,
     fix: str | None,
     violations: tuple[str, ...],
+    transient: bool = False,
 ) -> GridsolveError:
-    return cls(problem, stage=stage, expected=expected, found=found, fix=fix, violations=violations)
+    return cls(
+        problem,
+        stage=stage,
+        expected=expected,
+        found=found,
+        fix=fix,
+        violations=violations,
+        transient=transient,
+    )
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failure may pass on a retry: transient I/O, or an unexpected non-user error."""
+    if isinstance(exc, GridsolveError):
+        return exc.transient
+    return isinstance(exc, OSError)
 
 
 class ConfigError(GridsolveError):

@@ -95,6 +95,13 @@ def _call(decl: StageDecl, fn: Any, *args: Any) -> StageOutput:
         out = fn(*args)
     except GridsolveError as exc:
         raise exc.with_stage(_name(decl)) from None
+    except OSError as exc:
+        raise StageError(
+            f"input/output failed: {type(exc).__name__}: {exc}",
+            stage=_name(decl),
+            fix="check the files and folders the run uses; the task is retried once",
+            transient=True,
+        ) from exc
     except MemoryError as exc:
         raise StageError(
             "ran out of memory",

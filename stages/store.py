@@ -274,6 +274,7 @@ class Store:
             raise StoreError(
                 f"cannot write to the cache folder {self.root}: {exc}",
                 fix="check cache.root is writable",
+                transient=True,
             ) from exc
         return self.get(key)
 

@@ -32,3 +32,15 @@ def test_pickle_round_trip_keeps_type_and_message() -> None:
     back = pickle.loads(pickle.dumps(err))
     assert isinstance(back, ContractError) and isinstance(back, GridsolveError)
     assert str(back) == str(err)
+
+
+def test_only_transient_failures_are_retried() -> None:
+    from schemas.errors import ConfigError, InputError, StoreError, is_transient
+
+    assert is_transient(StoreError("cache write failed", transient=True))
+    assert is_transient(OSError("network file system hiccup"))
+    assert not is_transient(InputError("input file not found"))
+    assert not is_transient(ConfigError("bad"))
+    assert not is_transient(ValueError("a bug"))
+    back = pickle.loads(pickle.dumps(StoreError("x", transient=True)))
+    assert back.transient
