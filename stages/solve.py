@@ -272,20 +272,17 @@ def solve_block(
             idx = idx_all[order[start:stop]]
             same = (finite[:, idx] == finite[:, idx[:1]]).all(axis=0)
             idx = idx[same]  # a hash collision (never seen) leaves the others per pixel
-            rows = finite[:, idx[0]] & (sqrtw > 0)
+            rows = finite[:, idx[0]] & (sqrtw > 0)  # the valid observations of the group
             if k == full_h:
-                P, Q, st, cond = op.P, op.Q, linalg.OK, op.cond
-                rows = np.ones(n_obs, dtype=bool)
+                # P's columns of zero-weight observations are zero: drop them.
+                P, Q, st, cond = op.P[:, rows], op.Q if rows.all() else None, linalg.OK, op.cond
                 path = "shared"
             else:
                 g_op = linalg.svd_operator(A[rows] * sqrtw[rows, None], pol)
                 P, Q, st, cond = g_op.P * sqrtw[rows][None, :], None, g_op.status, g_op.cond
                 path = "pattern"
             gdtype = dtype if cond <= FLOAT32_MAX_COND else np.dtype(np.float64)
-            Bg = B[np.ix_(rows, idx)]
-            if not np.isfinite(Bg).all():  # zero-weight rows may hold NaN
-                Bg = np.where(valid[np.ix_(rows, idx)], Bg, 0)
-            C[:, idx], rms[idx] = _fit_columns(Bg, P, A[rows], Q, gdtype, device)
+            C[:, idx], rms[idx] = _fit_columns(B[np.ix_(rows, idx)], P, A[rows], Q, gdtype, device)
             status[idx] = st
             per_pixel[idx] = False
             paths[path] += len(idx)

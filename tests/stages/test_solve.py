@@ -247,6 +247,7 @@ def test_weights_equal_lstsq_on_scaled_rows(chain: Chain, write_cube: Any) -> No
 def test_shared_weights_match_weighted_lstsq(chain: Chain, write_cube: Any) -> None:
     ds = make_ds(n_obs=15, ny=3, nx=3)
     w = np.linspace(0.5, 2.0, 15)
+    w[4] = 0.0  # this observation is left out of fits and residuals
     ds["w"] = ("time", w)
     A, out = solve_cube(
         chain,
@@ -261,6 +262,11 @@ def test_shared_weights_match_weighted_lstsq(chain: Chain, write_cube: Any) -> N
         A * s[:, None], ds["signal"].values.reshape(15, -1) * s[:, None], rcond=None
     )[0]
     np.testing.assert_allclose(out["coefficients"].reshape(3, -1), ref, rtol=1e-10)
+    b = ds["signal"].values.reshape(15, -1)
+    keep = w > 0
+    resid = b[keep] - A[keep] @ ref
+    np.testing.assert_allclose(out["residual_rms"].ravel(), np.sqrt((resid**2).mean(0)), rtol=1e-10)
+    assert (out["n_valid"] == 14).all()
 
 
 def test_shared_gap_pattern_uses_one_factorisation(chain: Chain, write_cube: Any) -> None:
