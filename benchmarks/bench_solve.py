@@ -26,7 +26,7 @@ import torch
 import xarray as xr
 
 from schemas.config import LstsqSolve
-from stages.patterns import common_patterns, pattern_hash
+from stages.patterns import common_patterns, full_hash, pattern_hash
 from stages.solve import SharedOperator, make_operator, solve_block
 
 from common import machine, median_seconds, table
@@ -52,8 +52,7 @@ def stages_once(
 
 def grid_gap_patterns(B: np.ndarray) -> np.ndarray:
     """What the load stage finds while hashing the cube: the grid's common gap patterns."""
-    full = pattern_hash(np.ones((B.shape[0], 1), dtype=bool))[0]
-    return common_patterns(pattern_hash(np.isfinite(B)), full)
+    return common_patterns(pattern_hash(np.isfinite(B)), full_hash(B.shape[0]))
 
 
 def floor_seconds(B: np.ndarray, out: Any, repeats: int) -> tuple[float, float]:

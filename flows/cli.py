@@ -174,7 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo_config(out: Path, size: str) -> dict[str, Any]:
+def _demo_config() -> dict[str, Any]:
     return {
         "load": {"impl": "netcdf", "path": "demo.nc", "variable": "signal"},
         "design": {"impl": "random", "coef": 100, "seed": 0},
@@ -207,7 +207,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = out / "gridsolve.yaml"
     config.write_text(
         "# gridsolve demo config: edit and rerun with `gridsolve run gridsolve.yaml`\n"
-        + yaml.safe_dump(_demo_config(out, args.size), sort_keys=False)
+        + yaml.safe_dump(_demo_config(), sort_keys=False)
     )
     print(f"demo cube {cube} ({args.size}), config {config}")
     return _run(config, args.overrides)

@@ -136,6 +136,11 @@ def quiet_user_errors() -> None:
                 handler.addFilter(_UserErrorFilter())
 
 
+def task_options(cache: CacheConfig) -> dict[str, Any]:
+    """Per-run task options: Prefect's cache records live in the store's own folder."""
+    return {"result_storage": Path(cache.root).expanduser().resolve() / PREFECT_RECORDS}
+
+
 def _ctx(cache: CacheConfig, execution: ExecutionConfig) -> StageContext:
     return StageContext(
         store=Store(cache.root),
@@ -376,9 +381,7 @@ def run_tiles(
     out_refs: dict[str, TiledRef] = {}
     rows: list[StageSummary] = []
     cache, execution = cfg.cache, cfg.execution
-    opts: dict[str, Any] = {
-        "result_storage": Path(cache.root).expanduser().resolve() / PREFECT_RECORDS
-    }
+    opts = task_options(cache)
     # Threads: max_workers tiles at a time. Dask: each worker runs one tile at a time,
     # so keep every worker busy (an existing cluster may have many).
     window = (
@@ -490,8 +493,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     """Run every stage of ``cfg`` inside the current flow run; returns the summary."""
     logger = get_run_logger()
     cfg = render_paths(cfg, template_values())
-    records = Path(cfg.cache.root).expanduser().resolve() / PREFECT_RECORDS
-    opts: dict[str, Any] = {"result_storage": records}
+    opts = task_options(cfg.cache)
     cache, execution = cfg.cache, cfg.execution
     rows: list[StageSummary] = []
     refs: dict[str, Ref] = {}

@@ -19,6 +19,11 @@ _MULT = np.uint64(0x9E3779B97F4A7C15)
 _SEED = np.uint64(0x243F6A8885A308D3)
 
 
+def full_hash(n_obs: int) -> np.uint64:
+    """The hash of the pattern in which all ``n_obs`` observations are valid."""
+    return np.uint64(pattern_hash(np.ones((n_obs, 1), dtype=bool))[0])
+
+
 def pattern_hash(valid: np.ndarray) -> np.ndarray:
     """64-bit hash of each pixel's validity pattern; ``valid`` is (obs, ...)."""
     h = np.full(valid.shape[1:], _SEED, dtype=np.uint64)
@@ -52,7 +57,7 @@ class GridPatterns:
         self.order = [dims.index(obs_dim)] + [i for i, d in enumerate(dims) if d != obs_dim]
         spatial = [sizes[d] for d in dims if d != obs_dim]
         self.h = np.full(spatial, _SEED, dtype=np.uint64)
-        self.full = pattern_hash(np.ones((sizes[obs_dim], 1), dtype=bool))[0]
+        self.full = full_hash(sizes[obs_dim])
 
     def update(self, block: np.ndarray, start: int) -> None:
         """Fold a block of the variable (sliced along its first dim from ``start``) in."""

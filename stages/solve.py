@@ -256,7 +256,7 @@ def solve_block(
     if own_weights is None:
         # Pixels whose gap pattern is the full one, or common in the whole grid,
         # share one factorisation per pattern; see stages.patterns.
-        full_h = patterns.pattern_hash(np.ones((n_obs, 1), dtype=bool))[0]
+        full_h = patterns.full_hash(n_obs)
         if len(gap_patterns):
             h = patterns.pattern_hash(finite)
         else:  # no common gap pattern in the grid: only the full one is shared

@@ -8,6 +8,18 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
+#: The output variables of the default model (multidim_linear, wrt params).
+CONTRACT = {
+    "design",
+    "coefficients",
+    "residual_rms",
+    "n_valid",
+    "status",
+    "prediction",
+    "grad_weight",
+    "grad_bias",
+}
+
 
 # ---------------------------------------------------------------- cubes
 def make_ds(

@@ -14,19 +14,9 @@ import pytest
 import xarray as xr
 import yaml
 
-from testkit import make_ds
+from testkit import CONTRACT, make_ds
 
 GRIDSOLVE = str(Path(sys.executable).parent / "gridsolve")
-CONTRACT = {
-    "design",
-    "coefficients",
-    "residual_rms",
-    "n_valid",
-    "status",
-    "prediction",
-    "grad_weight",
-    "grad_bias",
-}
 
 
 def gridsolve(

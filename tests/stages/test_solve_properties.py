@@ -179,7 +179,7 @@ def cubes(draw: Any) -> dict[str, Any]:
 def test_solve_block_every_pixel_is_lstsq_or_flagged(c: dict[str, Any], dtype: str) -> None:
     from schemas.config import LstsqSolve
     from schemas.errors import NumericalError
-    from stages.patterns import common_patterns, pattern_hash
+    from stages.patterns import common_patterns, full_hash, pattern_hash
     from stages.solve import make_operator, solve_block
 
     A, B, policy = c["A"], c["B"].astype(dtype), c["policy"]
@@ -190,8 +190,7 @@ def test_solve_block_every_pixel_is_lstsq_or_flagged(c: dict[str, Any], dtype: s
     except NumericalError:
         assert (policy == "cholesky" and np.linalg.matrix_rank(A) < coef) or dtype == "float32"
         return
-    full = pattern_hash(np.ones((A.shape[0], 1), dtype=bool))[0]
-    gaps = common_patterns(pattern_hash(np.isfinite(B)), full)
+    gaps = common_patterns(pattern_hash(np.isfinite(B)), full_hash(A.shape[0]))
     out = solve_block(B, op, config, gap_patterns=gaps)
     C, status, n_valid = out.arrays["coefficients"], out.arrays["status"], out.arrays["n_valid"]
     tol_base = 1e-8 if dtype == "float64" else 2e-4  # float32 data: documented tolerance

@@ -24,7 +24,7 @@ from schemas.config import (
 from schemas.contracts import STATUS_FLAGS
 from schemas.errors import ContractError, OutputError
 
-from testkit import Chain, make_ds
+from testkit import CONTRACT, Chain, make_ds
 
 
 def build(chain: Chain, path: Path, tiles: list[Tile] | None = None, **model: Any) -> None:
@@ -47,16 +47,7 @@ def test_output_contract(built: Chain, tmp_path: Path) -> None:
     out = tmp_path / "out.nc"
     built.whole("write", NetCDFWrite(path=str(out)))
     ds = xr.open_dataset(out)
-    assert set(ds.data_vars) == {
-        "design",
-        "coefficients",
-        "residual_rms",
-        "n_valid",
-        "status",
-        "prediction",
-        "grad_weight",
-        "grad_bias",
-    }
+    assert set(ds.data_vars) == CONTRACT
     assert ds["coefficients"].dims == ("coef", "y", "x")
     assert ds["prediction"].dims == ("output", "y", "x")
     assert ds["grad_weight"].dims == ("input_dim", "hidden_dim", "output", "y", "x")
