@@ -210,13 +210,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         + yaml.safe_dump(_demo_config(), sort_keys=False)
     )
     print(f"demo cube {cube} ({args.size}), config {config}")
-    return _run(config, args.overrides)
+    return _run(config, args.overrides, args.debug)
 
 
-def _run(config_path: Path, overrides: Sequence[str]) -> int:
+def _run(config_path: Path, overrides: Sequence[str], debug: bool = False) -> int:
+    from flows.failures import install
     from flows.pipeline import run_config
     from schemas.config import load_config
 
+    if not debug:
+        install(cli=True)  # main() prints a user error; Prefect's console log must not repeat it
     cfg = load_config(config_path, overrides)
     summary = run_config(cfg)
     print(summary.table())
@@ -232,7 +235,7 @@ def _run(config_path: Path, overrides: Sequence[str]) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a config file."""
-    return _run(Path(args.config), args.overrides)
+    return _run(Path(args.config), args.overrides, args.debug)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -8,7 +8,6 @@ Prefect UI and is not run at all.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,6 +33,8 @@ from prefect.runtime import deployment as rt_deployment
 from prefect.runtime import flow_run as rt_flow_run
 from pydantic import BaseModel, ConfigDict
 
+from flows.failures import install as install_failure_logging
+from flows.failures import noting_user_errors
 from schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
 from schemas.config import (
     CacheConfig,
@@ -60,7 +61,7 @@ from stages.context import StageContext
 from stages.quicklook import markdown as quicklook_markdown
 from stages.quicklook import write_quicklook
 from stages.registry import decl_for
-from stages.runner import cache_key, prepare_stage, reusable, run_stage, run_tile
+from stages.runner import cache_key, prepare_stage, reusable, run_stage, run_tile, with_sources
 from stages.store import Store
 from stages.tiles import tiles_for
 from stages.write import chunk_alignment
@@ -117,25 +118,6 @@ TASK_OPTIONS: dict[str, Any] = {
 }
 
 
-class _UserErrorFilter(logging.Filter):
-    """Log a GridsolveError as its message alone: it is the user's to fix, not a bug."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, GridsolveError):
-            record.exc_info = None
-            record.exc_text = None
-        return True
-
-
-def quiet_user_errors() -> None:
-    """Drop tracebacks of user errors from Prefect's log handlers (idempotent)."""
-    for name in ("prefect", ""):
-        for handler in logging.getLogger(name).handlers:
-            if not any(isinstance(f, _UserErrorFilter) for f in handler.filters):
-                handler.addFilter(_UserErrorFilter())
-
-
 def task_options(cache: CacheConfig) -> dict[str, Any]:
     """Per-run task options: Prefect's cache records live in the store's own folder."""
     return {"result_storage": Path(cache.root).expanduser().resolve() / PREFECT_RECORDS}
@@ -167,7 +149,8 @@ def stage_task(
     part: str = "whole",
 ) -> StageRun:
     """Run or reuse one whole stage."""
-    return run_stage(config, refs, _ctx(cache, execution), use_cache=cache.enabled)
+    with noting_user_errors():
+        return run_stage(config, refs, _ctx(cache, execution), use_cache=cache.enabled)
 
 
 @task(name="prepare", retry_condition_fn=_no_retry_for_user_errors, **TASK_OPTIONS)
@@ -179,7 +162,8 @@ def prepare_task(
     part: str = "prepare",
 ) -> StageRun:
     """Run or reuse the once-per-stage part of a tiled stage."""
-    return prepare_stage(config, refs, _ctx(cache, execution), use_cache=cache.enabled)
+    with noting_user_errors():
+        return prepare_stage(config, refs, _ctx(cache, execution), use_cache=cache.enabled)
 
 
 @task(name="tile", retry_condition_fn=_no_retry_for_user_errors, **TASK_OPTIONS)
@@ -193,7 +177,10 @@ def tile_task(
     part: str = "tile",
 ) -> StageRun:
     """Run or reuse one tile of a tiled stage."""
-    return run_tile(config, refs, prepared, tile, _ctx(cache, execution), use_cache=cache.enabled)
+    with noting_user_errors():
+        return run_tile(
+            config, refs, prepared, tile, _ctx(cache, execution), use_cache=cache.enabled
+        )
 
 
 # ---------------------------------------------------------------- summary
@@ -505,7 +492,8 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         state = stage_task.with_options(name=kind, **opts)(
             conf, {k: refs[k] for k in decl.inputs}, cache, execution, return_state=True
         )
-        run: StageRun = state.result()
+        # A Prefect-cached result names the files of the run that made it: use this run's.
+        run: StageRun = with_sources(conf, state.result(), _ctx(cache, execution))
         refs[kind] = run.ref
         rows.append(
             _row(kind, conf.impl, run.ref.key, [_hit(state, run)], time.perf_counter() - t0, 0)
@@ -528,7 +516,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         state = prepare_task.with_options(name=f"{kind}-prepare", **opts)(
             conf, {k: refs[k] for k in decl.inputs}, cache, execution, return_state=True
         )
-        run = state.result()
+        run = with_sources(conf, state.result(), _ctx(cache, execution))
         prepared[kind] = PreparedStage(
             run=run, hit=_hit(state, run), seconds=time.perf_counter() - t0
         )
@@ -633,7 +621,7 @@ def pipeline(
         execution: Memory budget, tiles and task runner (never change results).
 
     """
-    quiet_user_errors()
+    install_failure_logging()  # again: Prefect may have replaced its handlers since import
     cfg = build_config(
         {
             "load": load,
@@ -656,4 +644,5 @@ def run_config(cfg: PipelineConfig) -> RunSummary:
     return summary
 
 
-quiet_user_errors()
+# At import: a worker's engine subprocess and Dask workers import this module too.
+install_failure_logging()

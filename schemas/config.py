@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -50,6 +51,7 @@ TEMPLATE_FIELDS = frozenset(
 
 _SPEED = "speed_only"
 _PATH = "is_path"
+_CONTENT = "keyed_by_content"
 
 
 def speed_field(default: Any, description: str, **kwargs: Any) -> Any:
@@ -65,6 +67,21 @@ def speed_field(default: Any, description: str, **kwargs: Any) -> Any:
 def path_field(default: Any, description: str, **kwargs: Any) -> Any:
     """A file path, resolved against the config file's folder when relative."""
     return Field(default, description=description, json_schema_extra={_PATH: True}, **kwargs)
+
+
+def input_file_field(default: Any, description: str, **kwargs: Any) -> Any:
+    """An input file path: the stage's key covers the file's content, never its name.
+
+    The stage's fingerprint hashes the content; the path itself is left out of
+    the key so that a touched, copied or renamed file with the same bytes is a
+    cache hit. The path used is still recorded per run (and in the output).
+    """
+    return Field(
+        default,
+        description=f"{description} Cached by the file's content, not its path or mtime.",
+        json_schema_extra={_PATH: True, _CONTENT: True},
+        **kwargs,
+    )
 
 
 def check_template(text: str) -> str:
@@ -102,9 +119,28 @@ class StageConfig(BaseModel):
         """Names of fields holding file paths."""
         return frozenset(n for n in cls.model_fields if _field_flag(cls, n, _PATH))
 
+    @classmethod
+    def content_keyed_fields(cls) -> frozenset[str]:
+        """Names of input file fields whose content (not path) the stage's key covers."""
+        return frozenset(n for n in cls.model_fields if _field_flag(cls, n, _CONTENT))
+
     def key_payload(self) -> dict[str, Any]:
-        """The JSON form of every result-affecting field (what cache keys hash)."""
-        return self.model_dump(mode="json", exclude=set(self.speed_fields()))
+        """The JSON form of every result-affecting field (what cache keys hash).
+
+        Leaves out speed-only fields, and input file paths, whose content the
+        stage's fingerprint covers instead.
+        """
+        exclude = set(self.speed_fields()) | set(self.content_keyed_fields())
+        return self.model_dump(mode="json", exclude=exclude)
+
+    def input_files(self) -> dict[str, str]:
+        """Absolute path of each input file this config names (the paths used by a run)."""
+        out = {}
+        for name in sorted(self.content_keyed_fields()):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                out[name] = os.path.abspath(os.path.expanduser(value))
+        return out
 
 
 # ---------------------------------------------------------------- load
@@ -120,7 +156,7 @@ class NetCDFLoad(LoadConfig):
     model_config = ConfigDict(title="Load a NetCDF file")
 
     impl: Literal["netcdf"] = "netcdf"
-    path: str = path_field(
+    path: str = input_file_field(
         ...,
         "NetCDF file to read. May contain {date}, {scheduled_date}, {flow_run_name} placeholders.",
         min_length=1,
@@ -306,7 +342,7 @@ class ModelConfig(StageConfig):
 
     kind: ClassVar[str] = "model"
 
-    weights: str | None = path_field(
+    weights: str | None = input_file_field(
         None,
         "Weights file: .safetensors, or a state dict saved with torch.save (loaded with "
         "weights_only=True). Omitted: seeded initialisation.",
@@ -324,6 +360,13 @@ class ModelConfig(StageConfig):
         False, description="Also write the full per-sample Jacobian of the outputs."
     )
     dtype: Literal["float32", "float64"] = Field("float32", description="Model dtype.")
+    mode: Literal["eval", "train"] = Field(
+        "eval",
+        description="Module mode: eval (default; BatchNorm uses the checkpoint's running "
+        "statistics, Dropout is off) or train. train is allowed only where it stays "
+        "per-sample and deterministic: a model with BatchNorm (statistics across pixels) "
+        "or Dropout/RReLU (random masks that would depend on the tiling) is refused.",
+    )
     device: str = speed_field(
         "auto", "auto, cpu, cuda or cuda:N.", pattern=r"^(auto|cpu|cuda(:\d+)?)$"
     )

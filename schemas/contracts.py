@@ -92,3 +92,17 @@ STATUS_FLAGS: dict[int, str] = {
     5: "singular",
 }
 STATUS_CODES: dict[str, int] = {v: k for k, v in STATUS_FLAGS.items()}
+
+#: Per-pixel ``model_status`` codes of the model stage (CF flag_values / flag_meanings).
+#: ``input_not_finite``: the coefficients are not finite (the solve status is not ok,
+#: 3 or 4): every model output is NaN. ``target_not_finite``: the MSE target has a
+#: NaN/inf value: prediction and Jacobians are computed, gradients are NaN.
+#: ``output_not_finite``: inputs are finite but a prediction, gradient or Jacobian
+#: value is not (overflow, log of a negative, …): the values are kept as computed.
+MODEL_STATUS_FLAGS: dict[int, str] = {
+    0: "ok",
+    1: "input_not_finite",
+    2: "target_not_finite",
+    3: "output_not_finite",
+}
+MODEL_STATUS_CODES: dict[str, int] = {v: k for k, v in MODEL_STATUS_FLAGS.items()}

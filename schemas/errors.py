@@ -3,7 +3,8 @@
 Every error a user can meet is a :class:`GridsolveError`. Its message names the
 stage, what was expected, what was found and how to fix it; contract errors
 carry every violation at once, not only the first. The CLI prints ``str(err)``
-without a traceback and exits with :data:`EXIT_CODE`.
+without a traceback and exits with :data:`EXIT_CODE`. A :class:`StageError` is
+the exception: a bug or a crash, whose traceback the run log keeps.
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ def _rebuild(
         violations=violations,
         transient=transient,
     )
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the user's to fix: shown as its message alone, never a traceback."""
+    return isinstance(exc, GridsolveError) and not isinstance(exc, StageError)
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -25,18 +25,34 @@ OUTPUTS = {"A": ArraySpec(("obs", "coef"), "f", "design matrix, float64")}
 
 
 def obs_axis(values: np.ndarray, stage: str) -> tuple[np.ndarray, str]:
-    """The observation coordinate as float64 and its unit ("days" for datetimes)."""
+    """The observation coordinate as float64 and its unit ("days" for datetimes).
+
+    Refuses NaT, NaN and infinite values (the load stage refuses them first).
+    """
     if np.issubdtype(values.dtype, np.datetime64):
-        days = (values.astype("datetime64[ns]").astype(np.int64) / 86_400e9).astype(np.float64)
-        return days, "days since 1970-01-01"
-    if values.dtype.kind in "fiu":
-        return values.astype(np.float64), "coordinate units"
-    raise ContractError(
-        "a generated design needs a numeric or datetime observation coordinate",
-        stage=stage,
-        found=f"coordinate of dtype {values.dtype}",
-        fix="use design impl 'random' or 'variable', or give the obs dim a numeric coordinate",
-    )
+        ns = values.astype("datetime64[ns]")
+        # NaT is the most negative int64: as days it would silently become -1e8.
+        axis = np.where(np.isnat(ns), np.nan, ns.astype(np.int64) / 86_400e9)
+        unit = "days since 1970-01-01"
+    elif values.dtype.kind in "fiu":
+        axis, unit = values.astype(np.float64), "coordinate units"
+    else:
+        raise ContractError(
+            "a generated design needs a numeric or datetime observation coordinate",
+            stage=stage,
+            found=f"coordinate of dtype {values.dtype}",
+            fix="use design impl 'random' or 'variable', or give the obs dim a numeric coordinate",
+        )
+    bad = ~np.isfinite(axis)
+    if bad.any():
+        raise ContractError(
+            "a generated design needs a finite observation coordinate",
+            stage=stage,
+            found=f"{int(bad.sum())} NaT/NaN/infinite value(s), first at index "
+            f"{int(np.flatnonzero(bad)[0])}",
+            fix="give every observation a finite coordinate value in the input file",
+        )
+    return axis.astype(np.float64), unit
 
 
 def centre_scale(v: np.ndarray) -> tuple[float, float]:

@@ -2,8 +2,10 @@
 
 Keys are xxh3-128 hex digests. The load stage hashes data content; every later
 key is a Merkle chain: the hash of (kind, impl, version, canonical JSON of the
-result-affecting config, keys of the inputs). No array is hashed twice and
-nothing is pickled to be hashed.
+result-affecting config, keys of the inputs, digests of outside content, the
+digest of the code that runs and the versions of the libraries that can change
+numbers; see ``stages/versions.py``). No array is hashed twice and nothing is
+pickled to be hashed.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ def stage_key(
     config: Mapping[str, Any],
     inputs: Mapping[str, str],
     extra: Mapping[str, str] | None = None,
+    *,
+    code: str = "",
+    libraries: Mapping[str, str] | None = None,
 ) -> str:
-    """The cache key of a stage run: chained over its inputs' keys."""
+    """The cache key of a stage run: chained over its inputs' keys, its code and libraries."""
     return hash_text(
         canonical_json(
             {
@@ -49,6 +54,8 @@ def stage_key(
                 "config": dict(config),
                 "inputs": dict(inputs),
                 "extra": dict(extra or {}),
+                "code": code,
+                "libraries": dict(libraries or {}),
             }
         )
     )
@@ -88,19 +95,20 @@ def hash_array(arr: np.ndarray, label: str = "") -> str:
     return h.hexdigest()
 
 
-_FILE_MEMO: dict[tuple[str, int, int, int], str] = {}
+_FILE_MEMO: dict[tuple[str, int, int, int, int], str] = {}
 _FILE_LOCK = threading.Lock()
 
 
 def file_digest(path: str | Path, block: int = 16 * 2**20) -> str:
     """xxh3-128 of a file's bytes.
 
-    Memoised in this process on (path, inode, size, mtime) only so that one run
-    does not read a file twice; the digest itself always comes from the bytes.
+    Memoised in this process on (path, inode, size, mtime, ctime) only so that
+    one run does not read a file twice; the digest itself always comes from the
+    bytes, so a touched or copied file has the same digest.
     """
     p = Path(path)
     st = p.stat()
-    memo_key = (str(p.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    memo_key = (str(p.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     with _FILE_LOCK:
         if memo_key in _FILE_MEMO:
             return _FILE_MEMO[memo_key]
@@ -115,6 +123,16 @@ def file_digest(path: str | Path, block: int = 16 * 2**20) -> str:
 
 
 def file_identity(path: str | Path) -> dict[str, int]:
-    """Size and modification time: a guard that a file did not change during a run."""
+    """Inode, size and change times: a cheap sign that a file may have changed.
+
+    Never an identity for caching (that is the content): a differing identity
+    only means the content must be looked at again. The inode and ctime catch
+    a file replaced by rename or rewritten with its mtime restored (``cp -p``).
+    """
     st = os.stat(path)
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {
+        "inode": st.st_ino,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+    }

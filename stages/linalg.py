@@ -21,6 +21,7 @@ obs × obs instead of coef × coef.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,17 +118,19 @@ def svd_operator(
 
 # ---------------------------------------------------------------- per pixel
 # Every operation along the pixel axis is elementwise, a matrix product, or a
-# sum over a small axis in index order. So on CPU a pixel's result does not
-# depend on which other pixels share its tile or chunk: results are
-# bit-identical whatever the tile size, chunk size or thread count. For matrix
-# products that holds for the BLAS torch ships except at very small widths
-# (one column takes a matrix-vector path), which colmm pads;
-# tests/stages/test_linalg.py checks it on the BLAS in use.
+# sum over a small axis in index order, so a pixel's result does not depend on
+# which other pixels share its tile or chunk beyond the rounding of the matrix
+# products: MKL picks kernels by the product's width and the CPU's
+# instructions (on its AVX2 path the last bits change with the width). That is
+# the agreement bound of stages/agreement.py, not equal bits; see
+# tests/stages/test_linalg.py and test_determinism.py. Very narrow products (a
+# single column takes a matrix-vector path that rounds differently again) are
+# padded to MIN_WIDTH so that small tiles stay close to large ones.
 MIN_WIDTH = 64
 
 
 def colmm(M: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """``M @ X`` whose columns do not depend on X's width (narrow X padded on CPU)."""
+    """``M @ X``, with narrow X padded on CPU so that it takes the matrix-matrix kernels."""
     n = X.shape[1]
     if X.device.type != "cpu" or n >= MIN_WIDTH:
         return M @ X
@@ -144,6 +147,34 @@ def stable_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     for i in range(1, x.shape[dim]):
         acc += x.select(dim, i)
     return acc
+
+
+def column_rms(R: torch.Tensor, n: torch.Tensor | float) -> torch.Tensor:
+    """``√(Σ r² / n)`` of every column of ``R``, free of overflow and underflow in the squares.
+
+    NaN or inf in a column gives NaN or inf for it, as the plain formula does.
+    """
+    if R.shape[0] == 0:
+        return torch.zeros(R.shape[1], dtype=R.dtype, device=R.device)
+    ss = stable_sum(R * R)
+    # The plain sum is right unless it overflowed, or is so small that squares
+    # lost to underflow (each < tiny) could matter: n·tiny ≤ ε/4 of it.
+    fi = torch.finfo(R.dtype)
+    small = 4 * R.shape[0] * fi.tiny / fi.eps
+    redo = ~((ss >= small) & (ss <= fi.max))  # NaN columns too: they stay NaN
+    if bool(redo.any()):
+        # Scale those columns by the power of two just above their largest |r|
+        # (exact): r² then neither overflows (1e20 in float32) nor underflows (1e-30).
+        cols = torch.nonzero(redo).flatten()
+        Rc = R[:, cols]
+        e = _pow2_exponent(Rc)
+        S = torch.ldexp(Rc, -e)
+        scaled = torch.sqrt(stable_sum(S * S) / (n[cols] if isinstance(n, torch.Tensor) else n))
+        half = torch.div(e, 2, rounding_mode="floor")  # 2^e itself may overflow: two steps
+        out = torch.sqrt(ss / n)
+        out[cols] = torch.ldexp(torch.ldexp(scaled, half), e - half)
+        return out
+    return torch.sqrt(ss / n)
 
 
 def batched_cholesky(G: torch.Tensor, tol: float = PIVOT_TOL) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,10 +216,20 @@ def cholesky_solve(L: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def _pow2_exponent(X: torch.Tensor) -> torch.Tensor:
+    """Per column, ``e`` with 2^(e-1) ≤ max |x| < 2^e (0 for a zero column), 2^-e finite."""
+    _, e = torch.frexp(torch.maximum(X.amax(dim=0), -X.amin(dim=0)))
+    return e.clamp_min(math.frexp(torch.finfo(X.dtype).tiny)[1])
+
+
 def _converged(dx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # Squared norms: vector_norm along dim 0 is several times slower here.
-    num = stable_sum(dx * dx)
-    den = stable_sum(x * x)
+    # Squared norms: vector_norm along dim 0 is several times slower here. Both
+    # scaled by x's power of two (exact), so that data near 1e±160 in float64
+    # neither overflow nor underflow the squares.
+    e = -_pow2_exponent(x)
+    xs, dxs = torch.ldexp(x, e), torch.ldexp(dx, e)
+    num = stable_sum(dxs * dxs)
+    den = stable_sum(xs * xs)
     return torch.isfinite(den) & (num <= REFINE_TOL**2 * den + torch.finfo(x.dtype).tiny)
 
 

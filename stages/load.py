@@ -6,13 +6,24 @@ The load stage does not copy the cube. It checks every contract of the file
 design matrix, shared weights) plus a description that later stages use to
 read their own tiles straight from the file. Tile reads check that the file
 did not change since it was hashed.
+
+The stored artifact is content-addressed and names no file: where the input
+is this run (path, file identity) is per-run metadata (:func:`locate`) that
+the runner attaches to the load stage's ref, so a touched or copied input
+with the same content is a cache hit and later stages read the file this run
+names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import logging
+import os
 import threading
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,12 +34,12 @@ import xarray as xr
 from schemas.artifacts import Tile
 from schemas.config import DemoLoad, NetCDFLoad, suggest
 from schemas.contracts import numeric_kind
-from schemas.errors import ContractError, InputError
+from schemas.errors import ContractError, GridsolveError, InputError, StageError
 from stages.context import StageContext
 from stages.demo import demo_file
 from stages.hashing import ArrayHasher, canonical_json, file_identity, hash_text
 from stages.patterns import GridPatterns
-from stages.registry import StageDecl, register
+from stages.registry import SOURCE, StageDecl, register
 from stages.store import Artifact, StageOutput
 
 STAGE = "load"
@@ -42,6 +53,7 @@ _KEPT_ATTRS = ("units", "long_name", "standard_name", "calendar", "axis", "posit
 
 # HDF5 is not thread-safe; xarray locks its own reads, this guards our opens.
 _OPEN_LOCK = threading.RLock()
+log = logging.getLogger("gridsolve.load")
 
 
 # ---------------------------------------------------------------- opening
@@ -98,6 +110,109 @@ def _read(da: xr.DataArray, what: str, path: str) -> np.ndarray:
         ) from exc
 
 
+# ---------------------------------------------------------------- CF valid range
+# xarray's CF decoding masks _FillValue and missing_value but not valid_range,
+# valid_min or valid_max; those compare the STORED (packed) values, so they are
+# applied here on a raw read of the same selection, the way netCDF4's
+# auto-masking does.
+_VALID_ATTRS = ("valid_range", "valid_min", "valid_max")
+_WARNED: set[str] = set()
+
+
+def valid_bounds(attrs: Mapping[str, Any], stored: np.dtype) -> tuple[Any, Any] | None:
+    """(low, high) CF valid bounds on stored values of dtype ``stored``; None if none apply.
+
+    As netCDF4's auto-masking: ``valid_range`` wins over ``valid_min`` /
+    ``valid_max``; an attribute whose value the stored dtype cannot hold
+    exactly (e.g. a valid_range written in unpacked units) is ignored, with a
+    warning; bounds are viewed as unsigned when ``_Unsigned`` is true.
+    """
+
+    def exact(name: str) -> np.ndarray | None:
+        if name not in attrs:
+            return None
+        att = np.asarray(attrs[name])
+        try:
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cast = att.astype(stored)
+                same = bool(((att == cast) | (np.isnan(att) & np.isnan(cast))).all())
+        except (TypeError, ValueError, OverflowError):
+            same = False
+        if not same:
+            note = f"{name} = {attrs[name]!r} is not a value of the stored dtype {stored}"
+            if note not in _WARNED:  # once per process, not once per tile
+                _WARNED.add(note)
+                log.warning("%s: ignored, as netCDF4 does", note)
+            return None
+        return cast.reshape(-1)
+
+    lo = hi = None
+    vr = exact("valid_range")
+    if vr is not None and vr.size == 2:
+        lo, hi = vr[0], vr[1]
+    else:
+        vmin, vmax = exact("valid_min"), exact("valid_max")
+        lo = vmin[0] if vmin is not None and vmin.size else None
+        hi = vmax[0] if vmax is not None and vmax.size else None
+    if lo is None and hi is None:
+        return None
+    if str(attrs.get("_Unsigned", "")).lower() == "true" and stored.kind == "i":
+        unsigned = np.dtype(f"u{stored.itemsize}")
+        lo = None if lo is None else np.asarray(lo, stored).view(unsigned)
+        hi = None if hi is None else np.asarray(hi, stored).view(unsigned)
+    return lo, hi
+
+
+def _open_raw(path: str) -> xr.Dataset:
+    with _OPEN_LOCK:
+        return xr.open_dataset(
+            path,
+            engine="netcdf4",
+            cache=False,
+            mask_and_scale=False,
+            decode_times=False,
+            decode_timedelta=False,
+        )
+
+
+def _values(
+    da: xr.DataArray,
+    select: Callable[[xr.DataArray], xr.DataArray],
+    what: str,
+    path: str,
+) -> np.ndarray:
+    """Decoded values of ``select(da)``, stored values outside the CF valid range as NaN.
+
+    ``da`` is a variable of a dataset opened by :func:`open_netcdf` (from
+    ``path``). A variable that declares a valid range always comes back as
+    floats (integers as float64), masked or not.
+    """
+    values = _read(select(da), what, path)
+    if not any(k in da.attrs for k in _VALID_ATTRS):
+        return values
+    raw_ds = _open_raw(path)
+    try:
+        raw_da = raw_ds[da.name]
+        raw = _read(select(raw_da), what, path)
+        bounds = valid_bounds(raw_da.attrs, raw_da.dtype)
+    finally:
+        raw_ds.close()
+    if values.dtype.kind != "f":
+        values = values.astype(np.float64)
+    if bounds is None:
+        return values
+    if str(raw_da.attrs.get("_Unsigned", "")).lower() == "true" and raw.dtype.kind == "i":
+        raw = raw.view(f"u{raw.dtype.itemsize}")
+    lo, hi = bounds
+    invalid = np.zeros(raw.shape, dtype=bool)
+    if lo is not None:
+        invalid |= raw < lo
+    if hi is not None:
+        invalid |= raw > hi
+    return np.where(invalid, np.nan, values).astype(values.dtype, copy=False)
+
+
 # ---------------------------------------------------------------- dims
 def _pick(names: tuple[str, ...], dims: tuple[str, ...]) -> str | None:
     lowered = {d.lower(): d for d in dims}
@@ -143,6 +258,8 @@ class Scan:
 
     digest: str
     output: StageOutput
+    #: the file's identity (``file_identity``) when its scan began
+    identity: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _coord(
@@ -160,6 +277,18 @@ def _coord(
     return values, attrs
 
 
+def _nonfinite(values: np.ndarray) -> tuple[int, int, str] | None:
+    """(count, first index, kind) of NaT / NaN / inf coordinate values; None if all finite."""
+    if values.dtype.kind in "mM":
+        bad, what = np.isnat(values), "NaT"
+    elif values.dtype.kind in "fc":
+        bad, what = ~np.isfinite(values), "non-finite (NaN or infinite)"
+    else:
+        return None
+    count = int(np.count_nonzero(bad))
+    return (count, int(np.flatnonzero(bad)[0]), what) if count else None
+
+
 def _jsonable(v: Any) -> Any:
     if isinstance(v, np.generic):
         return v.item()
@@ -175,15 +304,21 @@ def _stream(
     what: str,
     patterns: GridPatterns | None = None,
 ) -> dict[str, Any]:
-    """Hash ``da`` block by block along its first dim; count NaN and inf; gap patterns."""
+    """Hash ``da``'s values (as tiles read them) block by block along its first dim.
+
+    Also counts NaN, inf, negative and positive values, finds the first inf and
+    the largest finite magnitude, and feeds the gap patterns.
+    """
     n0 = da.shape[0]
     row_bytes = max(1, int(np.prod(da.shape[1:], dtype=np.int64)) * da.dtype.itemsize)
     step = max(1, _BLOCK_BYTES // row_bytes)
     nan = inf = 0
     first_inf: tuple[int, ...] | None = None
-    neg = 0
+    neg = pos = 0
+    abs_max = 0.0
     for start in range(0, n0, step):
-        block = _read(da.isel({da.dims[0]: slice(start, start + step)}), what, path)
+        rows = {da.dims[0]: slice(start, start + step)}
+        block = _values(da, functools.partial(xr.DataArray.isel, indexers=rows), what, path)
         hasher.update(block)
         if patterns is not None:
             patterns.update(block, start)
@@ -196,10 +331,23 @@ def _stream(
                 idx = np.argwhere(isinf)[0]
                 first_inf = (int(idx[0]) + start, *(int(i) for i in idx[1:]))
             inf += n_inf
-            neg += int((block < 0).sum())
-        elif block.dtype.kind in "iu":
-            neg += int((block < 0).sum())
-    return {"nan": nan, "inf": inf, "first_inf": first_inf, "negative": neg, "size": int(da.size)}
+            finite = np.where(isinf, 0, block) if n_inf else block
+        else:
+            finite = block
+        neg += int(np.count_nonzero(block < 0))
+        pos += int(np.count_nonzero(block > 0))
+        if finite.size and finite.dtype.kind in "fiu":
+            hi, lo = np.fmax.reduce(finite, axis=None), np.fmin.reduce(finite, axis=None)
+            abs_max = float(np.fmax(abs_max, np.fmax(abs(float(hi)), abs(float(lo)))))
+    return {
+        "nan": nan,
+        "inf": inf,
+        "first_inf": first_inf,
+        "negative": neg,
+        "positive": pos,
+        "abs_max": abs_max,
+        "size": int(da.size),
+    }
 
 
 def _where(dims: tuple[str, ...], index: tuple[int, ...] | None) -> str:
@@ -216,12 +364,14 @@ def scan_netcdf(config: NetCDFLoad, path: str) -> Scan:
 
 @functools.lru_cache(maxsize=8)
 def _scan_cached(config_json: str, path: str, ident_json: str) -> Scan:
-    config = NetCDFLoad.model_validate_json(config_json)
+    # key_payload leaves the path out (the key covers the content instead).
+    config = NetCDFLoad.model_validate({**json.loads(config_json), "path": path})
     ds = open_netcdf(path)
     try:
-        return _scan(config, ds, path)
+        scan = _scan(config, ds, path)
     finally:
         ds.close()
+    return dataclasses.replace(scan, identity=json.loads(ident_json))
 
 
 def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
@@ -389,18 +539,25 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
 
     cube_dims = dims
     s = stats["cube"]
+    fixes: list[str] = []
     if s["inf"]:
         problems.append(
             f"cube {var!r} holds {s['inf']} infinite value(s){_where(cube_dims, s['first_inf'])}; "
             "gridsolve treats only NaN as missing"
         )
+        fixes.append("replace infinite values by NaN (missing) in the file")
     if s["nan"] == s["size"]:
         problems.append(f"cube {var!r} is entirely NaN: no pixel has data")
+        fixes.append(
+            "check load.variable, and the cube's _FillValue, missing_value and valid_range "
+            "attributes (values they exclude are missing)"
+        )
     if "design" in stats and (stats["design"]["nan"] or stats["design"]["inf"]):
         problems.append(
             f"design {config.design!r} holds {stats['design']['nan']} NaN and "
             f"{stats['design']['inf']} infinite value(s)"
         )
+        fixes.append("give the design finite values everywhere, or use a generated design")
     if "weights" in stats:
         ws = stats["weights"]
         if ws["nan"] or ws["inf"] or ws["negative"]:
@@ -408,23 +565,37 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
                 f"weights {config.weights!r} must be finite and ≥ 0; found {ws['nan']} NaN, "
                 f"{ws['inf']} infinite and {ws['negative']} negative value(s)"
             )
+            fixes.append(
+                "give every weight a finite value ≥ 0 (NaN is refused too): "
+                "a weight of 0 drops its observation"
+            )
+        elif not ws["positive"]:
+            problems.append(
+                f"weights {config.weights!r} are all zero: no observation has weight > 0"
+            )
+            fixes.append(
+                "check load.weights (does it name the right variable?): "
+                "at least one observation needs a weight > 0"
+            )
     if "target" in stats and stats["target"]["inf"]:
         problems.append(
             f"target {config.target!r} holds {stats['target']['inf']} infinite value(s)"
         )
-    if problems:
-        raise ContractError(
-            "input values are unusable",
-            stage=STAGE,
-            violations=problems,
-            fix="replace infinite or invalid values by NaN (missing) in the file, "
-            "or fix the design/weights",
-        )
+        fixes.append("replace infinite target values by NaN (missing)")
 
     arrays: dict[str, np.ndarray] = {}
     coord_attrs: dict[str, dict[str, Any]] = {}
     for role, dname in (("obs", obs_dim), ("y", y_dim), ("x", x_dim)):
         arrays[role], coord_attrs[role] = _coord(ds, da, dname, path)
+        if role == "obs" and (bad := _nonfinite(arrays[role])):
+            count, first, what = bad
+            problems.append(
+                f"obs coordinate {dname!r} holds {count} {what} value(s) (first at {dname}={first})"
+            )
+            fixes.append(
+                f"give every observation a finite {dname!r} value, or drop the observations "
+                f"without one (e.g. ds.sel({dname}=ds[{dname!r}].notnull()))"
+            )
         h = ArrayHasher()
         h.header(
             {
@@ -436,25 +607,34 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
         )
         h.update(arrays[role])
         digests[f"coord_{role}"] = h.hexdigest()
+    if problems:
+        raise ContractError(
+            "input values are unusable",
+            stage=STAGE,
+            violations=problems,
+            fix="; ".join(fixes),
+        )
     design_columns: list[str] | None = None
     if "design" in aux:
-        d = ds[aux["design"]["name"]].transpose(obs_dim, ...)
-        arrays["design"] = _read(d, f"variable {config.design!r}", path).astype(np.float64)
-        coef_dim = str(d.dims[1])
+        d = ds[aux["design"]["name"]]
+        arrays["design"] = _values(
+            d, lambda v: v.transpose(obs_dim, ...), f"variable {config.design!r}", path
+        ).astype(np.float64)
+        coef_dim = next(str(x) for x in d.dims if x != obs_dim)
         if coef_dim in d.coords:
             design_columns = [str(c) for c in np.asarray(d.coords[coef_dim].values)]
         aux["design"]["coef_dim"] = coef_dim
+        # The labels name the output's coef coordinate: part of the content.
+        digests["design_columns"] = hash_text(canonical_json(design_columns))
     if s["nan"]:
         # Gap patterns many pixels share get one factorisation each in the solve stage.
         arrays["gap_patterns"] = grid.common()
     if "weights" in aux and aux["weights"]["shared"]:
-        arrays["weights"] = _read(ds[config.weights], f"variable {config.weights!r}", path).astype(
-            np.float64
-        )
+        arrays["weights"] = _values(
+            ds[config.weights], lambda v: v, f"variable {config.weights!r}", path
+        ).astype(np.float64)
 
     meta = {
-        "path": str(Path(path).resolve()),
-        "file": file_identity(path),
         "variable": var,
         "dims": list(cube_dims),
         "obs_dim": obs_dim,
@@ -467,6 +647,7 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
         "attrs": {k: _jsonable(v) for k, v in da.attrs.items() if k in _KEPT_ATTRS},
         "coord_attrs": coord_attrs,
         "nan_count": int(s["nan"]),
+        "abs_max": s["abs_max"],
         "aux": aux,
         "design_columns": design_columns,
         "digests": digests,
@@ -477,33 +658,83 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
 
 
 # ---------------------------------------------------------------- tile reads
-def _check_unchanged(meta: Mapping[str, Any]) -> None:
+# The mid-run guard. The stored load artifact names no file (it is content-
+# addressed); the ref's per-run source (``locate``) says where the input is this
+# run, its identity (inode, size, mtime, ctime) and the content digest seen
+# there when the run began. A tile read whose file still has that identity
+# proceeds for the cost of a stat. A different identity alone (touched,
+# rsync'd, copied over with the same bytes) is not a change: the content is
+# hashed again, once per identity and process, and the read refused only if
+# it differs from the content the load key covers. So a real change is caught
+# and a touch never fails a run, let alone every later one.
+_REVALIDATED: dict[tuple[str, str, str], bool] = {}
+_REVALIDATE_LOCK = threading.Lock()
+
+
+def _same_content(src: Mapping[str, Any], content_hash: str, now: Mapping[str, int]) -> bool:
+    memo = (src["path"], canonical_json(now), content_hash)
+    with _REVALIDATE_LOCK:  # tiles that find the same new identity wait for one rescan
+        if memo not in _REVALIDATED:
+            try:
+                config = NetCDFLoad.model_validate({**src["config"], "path": src["path"]})
+                same = scan_netcdf(config, src["path"]).digest == content_hash
+            except GridsolveError:  # unreadable now: half-written or replaced
+                same = False
+            _REVALIDATED[memo] = same
+        return _REVALIDATED[memo]
+
+
+def _check_unchanged(meta: Mapping[str, Any]) -> str:
+    """The input's path this run; InputError if its content is not the one the key covers."""
+    src = meta.get(SOURCE) or {}
+    path = src.get("path")
+    if not path:
+        raise StageError(
+            "the load metadata names no input file for this run",
+            stage=STAGE,
+            fix="open the load stage's output through stages.runner, which attaches "
+            "where the input is (stages.load.locate)",
+        )
     try:
-        now = file_identity(meta["path"])
+        now: dict[str, int] | None = file_identity(path)
     except FileNotFoundError:
         now = None
-    if now != meta["file"]:
+    content = meta["content_hash"]
+    unchanged = (
+        now is not None
+        and src.get("content") == content
+        and (now == src.get("file") or _same_content(src, content, now))
+    )
+    if not unchanged:
         raise InputError(
-            f"input file {meta['path']} changed or vanished while the run was using it",
+            f"input file {path} changed or vanished while the run was using it",
             stage=STAGE,
             fix="rerun once the file is complete; write nightly files under a temporary name "
             "and rename them when done",
         )
+    return str(path)
 
 
 def read_block(meta: Mapping[str, Any], role: str, tile: Tile) -> np.ndarray:
-    """Read ``role`` ("cube", "weights", "target") for one tile, as (leading, rows, cols) floats."""
-    _check_unchanged(meta)
+    """Read ``role`` ("cube", "weights", "target") for one tile, as (leading, rows, cols) floats.
+
+    ``meta`` is the load stage's output as the runner opens it, with this run's source.
+    """
+    path = _check_unchanged(meta)
     name = meta["variable"] if role == "cube" else meta["aux"][role]["name"]
     y_dim, x_dim, obs_dim = meta["y_dim"], meta["x_dim"], meta["obs_dim"]
-    ds = open_netcdf(meta["path"])
+    ds = open_netcdf(path)
     try:
-        da = ds[name].isel({y_dim: slice(tile.y0, tile.y1), x_dim: slice(tile.x0, tile.x1)})
-        lead = [d for d in da.dims if d not in (y_dim, x_dim)]
+        lead = [d for d in ds[name].dims if d not in (y_dim, x_dim)]
         if role in ("cube", "weights"):
             lead = [obs_dim]
-        da = da.transpose(*lead, y_dim, x_dim)
-        values = _read(da, f"variable {name!r}", meta["path"])
+        window = {y_dim: slice(tile.y0, tile.y1), x_dim: slice(tile.x0, tile.x1)}
+        values = _values(
+            ds[name],
+            lambda v: v.isel(window).transpose(*lead, y_dim, x_dim),
+            f"variable {name!r}",
+            path,
+        )
     finally:
         ds.close()
     if values.ndim == 2:
@@ -528,11 +759,27 @@ def run(
     return scan_netcdf(nc, path).output
 
 
+def locate(config: NetCDFLoad | DemoLoad, ctx: StageContext) -> dict[str, Any]:
+    """Where the input is this run: path, file identity and content digest when it was scanned.
+
+    Per-run facts (the runner attaches them to the ref): never part of the key
+    or of the stored artifact, which are by content.
+    """
+    path, nc = _netcdf_config(config, ctx)
+    scan = scan_netcdf(nc, path)  # memoised: the fingerprint scanned this file state
+    return {
+        "path": path,
+        "file": scan.identity,
+        "content": scan.digest,
+        "config": nc.key_payload(),
+    }
+
+
 def _netcdf_config(config: NetCDFLoad | DemoLoad, ctx: StageContext) -> tuple[str, NetCDFLoad]:
     if isinstance(config, DemoLoad):
         path = demo_file(ctx.store.root, config.size, config.seed, config.nan_fraction)
-        return str(path), NetCDFLoad(path=str(path), variable="signal")
-    return config.path, config
+        return os.path.abspath(path), NetCDFLoad(path=str(path), variable="signal")
+    return os.path.abspath(config.path), config
 
 
 for _impl, _cfg, _summary in (
@@ -547,6 +794,7 @@ for _impl, _cfg, _summary in (
             config=_cfg,
             run=run,
             fingerprint=fingerprint,
+            locate=locate,
             summary=_summary,
         )
     )

@@ -1,7 +1,8 @@
 """One registry per stage kind: implementation name → declaration.
 
 A declaration ties a pure function to its kind, implementation name, version
-(bump it when results change), config model and output contract. Built-in
+(an override: keys already cover the code's source, see ``stages/versions.py``),
+config model and output contract. Built-in
 implementations register at import of their module; third-party packages
 register with :func:`register` or through the ``gridsolve.stages`` entry-point
 group, loaded on first use.
@@ -24,6 +25,10 @@ log = logging.getLogger("gridsolve.registry")
 
 ENTRY_POINT_GROUP = "gridsolve.stages"
 
+#: Key, in a ref's metadata and in an input opened by the runner, of the per-run
+#: facts about the outside files a stage read this run (see ``StageDecl.locate``).
+SOURCE = "source"
+
 
 @dataclass(frozen=True)
 class StageDecl:
@@ -38,6 +43,14 @@ class StageDecl:
     contract of the arrays it returns (per tile for tiled stages). ``verify``
     checks, on a cache hit, that what the stage made outside the store (the
     output file) is still intact.
+
+    ``locate`` ``(config, ctx) -> dict`` returns per-run facts about the outside
+    files the stage reads (where they are this run, their identity): they are
+    attached to the stage's ref under :data:`SOURCE`, in neither the key nor the
+    stored artifact, so a file copied elsewhere is still a cache hit. The runner
+    adds ``paths`` (the config's input files, see ``StageConfig.input_files``).
+    ``records_sources`` stages write those paths into their outputs, so the
+    paths of their inputs' sources are part of their key.
     """
 
     kind: str
@@ -52,6 +65,8 @@ class StageDecl:
     outputs: Mapping[str, ArraySpec] = field(default_factory=dict)
     verify: Callable[[Mapping[str, Any]], bool] | None = None
     summary: str = ""
+    locate: Callable[..., Mapping[str, Any]] | None = None
+    records_sources: bool = False
 
 
 _REGISTRY: dict[str, dict[str, StageDecl]] = {k: {} for k in STAGE_KINDS}

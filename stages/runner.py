@@ -7,6 +7,14 @@ inputs, runs the declared function, checks its outputs against the contract
 and stores them atomically. Prefect's tasks (``flows/``) call these and
 nothing else; :func:`cache_key` is what their cache policy uses, so Prefect's
 cache and the store agree on every key.
+
+A key covers the stage's config, its inputs' keys, the content of the outside
+files it reads, the source of the code it runs (:func:`code_version`) and the
+versions of the libraries that can change numbers. Where a stage read its
+files this run (paths, file identity) is per-run metadata attached to its ref
+(:func:`source_meta`), never part of a key or of the stored artifact: a touched
+or copied input with the same content is a hit, and the run still knows, and
+records, the path it used.
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ from schemas.config import StageConfig
 from schemas.contracts import check_arrays
 from schemas.errors import GridsolveError, StageError
 from stages.context import StageContext
-from stages.hashing import stage_key, tile_key
-from stages.registry import StageDecl, decl_for
+from stages.hashing import canonical_json, stage_key, tile_key
+from stages.registry import SOURCE, StageDecl, decl_for
 from stages.store import Artifact, StageOutput, Store, TiledArtifact
+from stages.versions import code_digest, package_versions
 
 Ref = ArtifactRef | TiledRef
 PREPARE = ("prepare",)
@@ -32,8 +41,25 @@ def _name(decl: StageDecl) -> str:
     return f"{decl.kind}/{decl.impl}"
 
 
+def code_version(decl: StageDecl) -> str:
+    """Digest of the source of the code a stage implementation runs.
+
+    The modules defining its functions and config, and the runner, with what
+    they import (see ``stages/versions.py``). Read from disk when a file's
+    size or mtime changed, so an edited stage gets new keys.
+    """
+    fns = (decl.run, decl.prepare, decl.fingerprint, decl.verify, decl.locate, decl.config)
+    roots = {getattr(f, "__module__", None) for f in fns if f is not None}
+    return code_digest({__name__, *(r for r in roots if r)})
+
+
+def _sources(ref: Ref) -> dict[str, Any]:
+    meta = ref.prepared.meta if isinstance(ref, TiledRef) else ref.meta
+    return dict(meta.get(SOURCE) or {})
+
+
 def whole_key(config: StageConfig, refs: Mapping[str, Ref], ctx: StageContext) -> str:
-    """Key of a stage: kind, impl, version, result-affecting config, input keys, outside content."""
+    """Key of a stage: kind, impl, version, config, input keys, outside content, code, libraries."""
     decl = decl_for(config)
     missing = [k for k in decl.inputs if k not in refs]
     if missing:
@@ -42,6 +68,12 @@ def whole_key(config: StageConfig, refs: Mapping[str, Ref], ctx: StageContext) -
         extra = dict(decl.fingerprint(config, ctx)) if decl.fingerprint else {}
     except GridsolveError as exc:
         raise exc.with_stage(_name(decl)) from None
+    if decl.records_sources:
+        # Its output names the files its inputs were read from this run.
+        for k in decl.inputs:
+            paths = _sources(refs[k]).get("paths")
+            if paths:
+                extra[f"{SOURCE}:{k}"] = canonical_json(paths)
     return stage_key(
         decl.kind,
         decl.impl,
@@ -49,7 +81,38 @@ def whole_key(config: StageConfig, refs: Mapping[str, Ref], ctx: StageContext) -
         config.key_payload(),
         {k: refs[k].key for k in decl.inputs},
         extra,
+        code=code_version(decl),
+        libraries=package_versions(),
     )
+
+
+def source_meta(config: StageConfig, ctx: StageContext) -> dict[str, Any]:
+    """Per-run facts about the outside files a stage reads: their paths, and its ``locate``'s."""
+    decl = decl_for(config)
+    out: dict[str, Any] = {}
+    paths = config.input_files()
+    if paths:
+        out["paths"] = paths
+    if decl.locate is not None:
+        try:
+            out.update(decl.locate(config, ctx))
+        except GridsolveError as exc:
+            raise exc.with_stage(_name(decl)) from None
+    return out
+
+
+def with_sources(config: StageConfig, run: StageRun, ctx: StageContext) -> StageRun:
+    """``run`` with its ref's per-run source facts taken from this run.
+
+    A result that Prefect returns from its cache carries the facts of the run
+    that made it (another path, an older mtime); the flow passes every whole
+    stage's and prepare step's result through this before later stages use it.
+    """
+    src = source_meta(config, ctx)
+    meta = {k: v for k, v in run.ref.meta.items() if k != SOURCE}
+    if src:
+        meta[SOURCE] = src
+    return run.model_copy(update={"ref": run.ref.model_copy(update={"meta": meta})})
 
 
 def cache_key(
@@ -80,14 +143,22 @@ def reusable(store: Store, key: str, decl: StageDecl) -> Artifact | None:
     return art
 
 
+def _with_source(art: Artifact, ref: ArtifactRef) -> Artifact:
+    """The stored artifact plus this run's source facts from its ref (stored meta has none)."""
+    src = ref.meta.get(SOURCE)
+    if src:
+        art.meta = {**art.meta, SOURCE: src}
+    return art
+
+
 def _open(ref: Ref, store: Store) -> Artifact | TiledArtifact:
     if isinstance(ref, TiledRef):
         return TiledArtifact(
             key=ref.key,
-            prepared=store.get(ref.prepared.key),
+            prepared=_with_source(store.get(ref.prepared.key), ref.prepared),
             tiles=[(t.tile, store.get(t.key)) for t in ref.tiles if t.tile is not None],
         )
-    return store.get(ref.key)
+    return _with_source(store.get(ref.key), ref)
 
 
 def _call(decl: StageDecl, fn: Any, *args: Any) -> StageOutput:
@@ -123,7 +194,7 @@ def _call(decl: StageDecl, fn: Any, *args: Any) -> StageOutput:
 def _info(
     decl: StageDecl, config: StageConfig, refs: Mapping[str, Ref], part: str
 ) -> dict[str, Any]:
-    return {
+    info = {
         "kind": decl.kind,
         "impl": decl.impl,
         "version": decl.version,
@@ -131,6 +202,10 @@ def _info(
         "config": config.key_payload(),
         "inputs": {k: refs[k].key for k in decl.inputs if k in refs},
     }
+    if part != "tile":  # a tile's stage key already covers them
+        info["code"] = code_version(decl)
+        info["libraries"] = package_versions()
+    return info
 
 
 def _result(
@@ -163,16 +238,18 @@ def run_stage(
     t0 = time.perf_counter()
     decl = decl_for(config)
     key = cache_key(config, refs, ctx)
+    src = source_meta(config, ctx)
+    run_meta = {SOURCE: src} if src else None
     art = reusable(ctx.store, key, decl) if use_cache else None
     if art is not None:
-        return _result(decl, key, art, ctx.store, t0, True)
+        return _result(decl, key, art, ctx.store, t0, True, extra_meta=run_meta)
     inputs = {k: _open(refs[k], ctx.store) for k in decl.inputs}
     ctx.key = key
     out = _call(decl, decl.run, config, inputs, ctx)
     if decl.outputs:
         check_arrays(_name(decl), out.arrays, decl.outputs)
     art = ctx.store.put(key, out, _info(decl, config, refs, "whole"))
-    return _result(decl, key, art, ctx.store, t0, False)
+    return _result(decl, key, art, ctx.store, t0, False, extra_meta=run_meta)
 
 
 def prepare_stage(
@@ -192,7 +269,9 @@ def prepare_stage(
         ctx.key = key
         out = _call(decl, decl.prepare, config, inputs, ctx)
         art = ctx.store.put(key, out, _info(decl, config, refs, "prepare"))
-    return _result(decl, key, art, ctx.store, t0, hit, extra_meta={"_stage_key": stage})
+    src = source_meta(config, ctx)
+    extra: dict[str, Any] = {"_stage_key": stage, **({SOURCE: src} if src else {})}
+    return _result(decl, key, art, ctx.store, t0, hit, extra_meta=extra)
 
 
 def run_tile(

@@ -22,7 +22,7 @@ coefficients and a status code; so do those a policy cannot solve.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +31,7 @@ import torch
 from schemas.artifacts import Tile
 from schemas.config import LstsqSolve
 from schemas.contracts import STATUS_FLAGS, ArraySpec
-from schemas.errors import NumericalError
+from schemas.errors import ContractError, NumericalError
 from stages import linalg, patterns
 from stages.context import StageContext, chunk_size, resolve_device
 from stages.load import read_block
@@ -44,6 +44,11 @@ STAGE = "solve/lstsq"
 #: Above this condition number a float32 solve loses more than ~0.1% (measured
 #: in tests/stages/test_solve.py); refuse it and ask for float64.
 FLOAT32_MAX_COND = 1e4
+#: Under float32, a pixel with a value larger than this (in magnitude) is
+#: computed in float64 and stored as float32: products and sums of such
+#: values can overflow float32 long before the results do.
+FLOAT32_SAFE_MAX = 2.0**100
+FLOAT32_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
 
 TILE_OUTPUTS = {
     "coefficients": ArraySpec(("coef", "y", "x"), "f"),
@@ -79,6 +84,8 @@ class SharedOperator:
     rank: int
     method: str
     min_valid: int
+    #: largest |value| of the whole cube (from the load stage); None: unknown
+    data_max: float | None = None
 
     @classmethod
     def from_artifact(cls, art: Artifact) -> SharedOperator:
@@ -92,6 +99,7 @@ class SharedOperator:
             rank=int(art.meta["rank"]),
             method=str(art.meta["method"]),
             min_valid=int(art.meta["min_valid"]),
+            data_max=art.meta.get("abs_max"),
         )
 
 
@@ -100,9 +108,21 @@ def make_operator(
     sqrtw: np.ndarray,
     config: LstsqSolve,
     svd: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    data_max: float | None = None,
 ) -> SharedOperator:
-    """The shared operator for ``config``, after refusing setups it cannot solve meaningfully."""
+    """The shared operator for ``config``, after refusing setups it cannot solve meaningfully.
+
+    ``data_max``, the largest |value| of the whole cube when known, spares the
+    tiles a pass over their data to look for values near the dtype's limits.
+    """
     n_obs, coef = A.shape
+    if not (sqrtw > 0).any():
+        raise ContractError(
+            "the shared weights are all zero: no observation has weight > 0",
+            stage=STAGE,
+            fix="check load.weights (does it name the right variable?): "
+            "at least one observation needs a weight > 0",
+        )
     op = linalg.svd_operator(A * sqrtw[:, None], policy_of(config), svd=svd)
     if config.policy == "cholesky" and op.status != linalg.OK:
         why = (
@@ -148,15 +168,27 @@ def make_operator(
         rank=op.rank,
         method=op.method,
         min_valid=min_valid_of(config, coef),
+        data_max=data_max,
     )
 
 
 def prepare(config: LstsqSolve, inputs: Mapping[str, Artifact], ctx: StageContext) -> StageOutput:
     """The shared operator, stored once for every tile."""
     ne, design = inputs["normal_equations"], inputs["design"]
+    abs_max = inputs["load"].meta.get("abs_max") if "load" in inputs else None
+    lo, hi = FLOAT32_RANGE
+    if config.dtype == "float32" and abs_max and not lo <= abs_max <= hi:
+        raise NumericalError(
+            "the cube's values do not fit float32",
+            stage=STAGE,
+            expected=f"a largest |value| between {lo:.3g} and {hi:.3g} for solve.dtype: float32 "
+            "(coefficients and residual RMS are stored as float32, in the data's units)",
+            found=f"largest |value| {abs_max:.3g}",
+            fix="set solve.dtype: float64, or rescale the data (e.g. change its units)",
+        )
     A = np.array(design.array("A"))
     svd = (np.array(ne.array("U")), np.array(ne.array("s")), np.array(ne.array("Vt")))
-    op = make_operator(A, np.array(ne.array("sqrtw")), config, svd)
+    op = make_operator(A, np.array(ne.array("sqrtw")), config, svd, abs_max)
     arrays = {"P": op.P, "A": op.A, "sqrtw": op.sqrtw}
     if op.Q is not None:
         arrays["Q"] = op.Q
@@ -167,6 +199,7 @@ def prepare(config: LstsqSolve, inputs: Mapping[str, Artifact], ctx: StageContex
             "cond": op.cond,
             "method": op.method,
             "min_valid": op.min_valid,
+            "abs_max": op.data_max,
             "coef": int(A.shape[1]),
             "obs": int(A.shape[0]),
         },
@@ -180,21 +213,82 @@ def _fit_columns(
     Q: np.ndarray | None,
     dtype: np.dtype,
     device: torch.device,
+    store: np.dtype | None = None,
+    data_max: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Coefficients ``P @ B`` and residual RMS of columns sharing one operator."""
+    """Coefficients ``P @ B`` and residual RMS of finite columns sharing one operator.
+
+    Computed in ``dtype``, except that under float32 a column with a value
+    beyond :data:`FLOAT32_SAFE_MAX` is computed in float64. A column whose
+    coefficients do not fit ``store`` (default ``dtype``), the dtype they are
+    stored in, gets an infinite residual RMS: solve_block refuses it.
+    ``data_max`` bounds |B| when known (else B is scanned).
+    """
+    top = data_max
+    if top is None:
+        top = float(max(B.max(), -B.min())) if B.size else 0.0
+    if dtype == np.float32 and top > FLOAT32_SAFE_MAX:
+        wide = np.maximum(B.max(axis=0), -B.min(axis=0)) > FLOAT32_SAFE_MAX
+        C = np.empty((P.shape[0], B.shape[1]), dtype=dtype)
+        rms = np.empty(B.shape[1], dtype=dtype)
+        for cols, cdtype in ((~wide, dtype), (wide, np.dtype(np.float64))):
+            if cols.any():
+                C[:, cols], rms[cols] = _fit(B[:, cols], P, A, Q, cdtype, device)
+    else:
+        C, rms = _fit(B, P, A, Q, dtype, device)
+    limit = float(np.finfo(store or dtype).max)
+    # |c| ≤ ‖P‖∞ · max |b|: only near the limit is the (full) pass over C needed.
+    if P.size and top * float(np.abs(P).sum(axis=1).max()) >= 0.5 * limit:
+        with np.errstate(invalid="ignore"):
+            rms[~(np.abs(C) <= limit).all(axis=0)] = np.inf
+    return C, rms
+
+
+def _fit(
+    B: np.ndarray,
+    P: np.ndarray,
+    A: np.ndarray,
+    Q: np.ndarray | None,
+    dtype: np.dtype,
+    device: torch.device,
+) -> tuple[np.ndarray, np.ndarray]:
     Bt = torch.from_numpy(np.ascontiguousarray(B, dtype=dtype)).to(device)
-    tdtype = Bt.dtype
     Ct = linalg.colmm(torch.from_numpy(np.ascontiguousarray(P, dtype=dtype)).to(device), Bt)
     if Q is not None:
         R = linalg.colmm(torch.from_numpy(np.ascontiguousarray(Q, dtype=dtype)).to(device), Bt)
     else:
         At = torch.from_numpy(np.ascontiguousarray(A, dtype=dtype)).to(device)
         R = Bt - linalg.colmm(At, Ct)
-    if R.shape[0]:
-        rms = torch.sqrt(linalg.stable_sum(R * R) / B.shape[0])
-    else:
-        rms = torch.zeros(B.shape[1], dtype=tdtype, device=device)
+    rms = linalg.column_rms(R, B.shape[0])
     return Ct.cpu().numpy(), rms.cpu().numpy()
+
+
+def _refuse_out_of_range(
+    rms: np.ndarray, status: np.ndarray, dtype: np.dtype, where: Callable[[int], str]
+) -> None:
+    """Refuse a block in which a solved pixel's results do not fit (never NaN marked ok).
+
+    Every path gives such a pixel a non-finite residual RMS.
+    """
+    bad = ~np.isfinite(rms)
+    if not bad.any():
+        return
+    bad &= np.isin(status, (linalg.OK, linalg.FELL_BACK_RIDGE, linalg.FELL_BACK_MINNORM))
+    if not bad.any():
+        return
+    first = int(np.flatnonzero(bad)[0])
+    fix = (
+        "set solve.dtype: float64, or rescale the data (e.g. change its units)"
+        if dtype == np.float32
+        else "rescale the data (e.g. change its units) or the design's columns"
+    )
+    raise NumericalError(
+        f"coefficients or residual RMS exceed {dtype}'s range at {int(bad.sum())} pixel(s)",
+        stage=STAGE,
+        expected=f"finite results (|value| ≤ {float(np.finfo(dtype).max):.3g} in {dtype})",
+        found=f"non-finite results, first at {where(first)}",
+        fix=fix,
+    )
 
 
 def solve_block(
@@ -204,12 +298,36 @@ def solve_block(
     own_weights: np.ndarray | None = None,
     memory_budget: int = 2**30,
     gap_patterns: np.ndarray | None = None,
+    where: Callable[[int], str] | None = None,
 ) -> StageOutput:
     """Coefficients (coef, P), residual RMS, valid counts and status of pixels ``B`` (obs, P).
 
     ``gap_patterns`` are the pattern hashes common in the whole grid (from the
-    load stage); pixels with one of them share a factorisation.
+    load stage); pixels with one of them share a factorisation. A solved pixel
+    whose results do not fit ``config.dtype`` is refused (NumericalError),
+    named by ``where`` (pixel index → text).
     """
+    # A result beyond the dtype's range becomes inf when stored: refused below.
+    with np.errstate(over="ignore"):
+        out = _solve_block(B, op, config, own_weights, memory_budget, gap_patterns)
+    a = out.arrays
+    _refuse_out_of_range(
+        a["residual_rms"],
+        a["status"],
+        np.dtype(config.dtype),
+        where or (lambda i: f"pixel {i} of the block"),
+    )
+    return out
+
+
+def _solve_block(
+    B: np.ndarray,
+    op: SharedOperator,
+    config: LstsqSolve,
+    own_weights: np.ndarray | None,
+    memory_budget: int,
+    gap_patterns: np.ndarray | None,
+) -> StageOutput:
     if gap_patterns is None:
         gap_patterns = np.zeros(0, dtype=np.uint64)
     A, sqrtw = op.A, op.sqrtw
@@ -228,7 +346,7 @@ def solve_block(
         # No gaps: every pixel uses the shared operator; no grouping, no copies.
         seconds["mask"] = time.perf_counter() - clock
         t0 = time.perf_counter()
-        C, rms = _fit_columns(B, op.P, A, op.Q, dtype, device)
+        C, rms = _fit_columns(B, op.P, A, op.Q, dtype, device, data_max=op.data_max)
         paths["shared"] = n_px
         seconds["shared"] = time.perf_counter() - t0
         return StageOutput(
@@ -282,7 +400,9 @@ def solve_block(
                 P, Q, st, cond = g_op.P * sqrtw[rows][None, :], None, g_op.status, g_op.cond
                 path = "pattern"
             gdtype = dtype if cond <= FLOAT32_MAX_COND else np.dtype(np.float64)
-            C[:, idx], rms[idx] = _fit_columns(B[np.ix_(rows, idx)], P, A[rows], Q, gdtype, device)
+            C[:, idx], rms[idx] = _fit_columns(
+                B[np.ix_(rows, idx)], P, A[rows], Q, gdtype, device, dtype, op.data_max
+            )
             status[idx] = st
             per_pixel[idx] = False
             paths[path] += len(idx)
@@ -330,13 +450,16 @@ def solve_block(
             x, px_status = linalg.solve_per_pixel(At, B0, Wp, pol, active=act)
             R = (B0 - linalg.colmm(At, x)).mul_(Vt_)
             n_v = torch.from_numpy(n_valid[sel].astype(np.float64)).to(device)
-            r = torch.sqrt(linalg.stable_sum(R.mul_(R)) / n_v).cpu().numpy()
+            r = linalg.column_rms(R, n_v).cpu().numpy()
             xs, sts = x.cpu().numpy(), px_status.cpu().numpy()
             if isinstance(sel, slice) and active.all():
                 C[:, sel], rms[sel], status[sel] = xs, r, sts
             else:
                 cols = (np.flatnonzero(active) + sel.start) if isinstance(sel, slice) else sel
                 C[:, cols], rms[cols], status[cols] = xs[:, active], r[active], sts[active]
+        # Solved in float64: a coefficient beyond the stored dtype is inf now.
+        over = ~np.isfinite(C[:, todo]).all(axis=0)
+        rms[todo[over]] = np.inf
         rms[todo[status[todo] == linalg.SINGULAR]] = np.nan
     seconds["per_pixel"] = time.perf_counter() - t0
 
@@ -367,8 +490,12 @@ def run_tile(
     if weights_info is not None and not weights_info["shared"]:
         own_w = read_block(load.meta, "weights", tile).reshape(n_obs, -1).astype(np.float64)
     gaps = np.array(load.array("gap_patterns")) if "gap_patterns" in load else None
-    out = solve_block(B, op, config, own_w, ctx.memory_budget, gaps)
     ny, nx = tile.shape
+
+    def where(i: int) -> str:
+        return f"{load.meta['y_dim']}={tile.y0 + i // nx}, {load.meta['x_dim']}={tile.x0 + i % nx}"
+
+    out = solve_block(B, op, config, own_w, ctx.memory_budget, gaps, where)
     out.arrays = {k: v.reshape(*v.shape[:-1], ny, nx) for k, v in out.arrays.items()}
     return out
 

@@ -18,7 +18,6 @@ import json
 import os
 import uuid
 from collections.abc import Mapping, Sequence
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -27,29 +26,19 @@ import numpy as np
 import xarray as xr
 
 from schemas.config import NetCDFWrite
-from schemas.contracts import STATUS_FLAGS
+from schemas.contracts import MODEL_STATUS_FLAGS, STATUS_FLAGS
 from schemas.errors import ContractError, GridsolveError, OutputError
 from stages.context import StageContext
 from stages.hashing import file_digest
 from stages.paths import ensure_allowed, owner_is_dead, writer_tag
-from stages.registry import StageDecl, register
+from stages.registry import SOURCE, StageDecl, register
 from stages.store import Artifact, StageOutput, TiledArtifact
+from stages.versions import package_versions
 
 VERSION = "1"
 STAGE = "write/netcdf"
 DEFAULT_CHUNK_Y = 128
 DEFAULT_CHUNK_X = 256
-
-
-def package_versions() -> dict[str, str]:
-    """Versions of the packages that shape the numbers (recorded in every output)."""
-    out = {}
-    for pkg in ("gridsolve", "numpy", "scipy", "torch", "xarray", "netCDF4", "prefect"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "unknown"
-    return out
 
 
 def _free_bytes(folder: Path) -> int:
@@ -133,6 +122,7 @@ def _variables(load: Artifact, solve: TiledArtifact, model: TiledArtifact) -> li
     m = model.meta
     obj = "sum of outputs" if m["objective"] == "sum" else "mean squared error against the target"
     flags = sorted(STATUS_FLAGS)
+    model_flags = sorted(MODEL_STATUS_FLAGS)
     out: list[dict[str, Any]] = [
         {
             "name": "coefficients",
@@ -170,6 +160,16 @@ def _variables(load: Artifact, solve: TiledArtifact, model: TiledArtifact) -> li
             "src": ("model", "prediction"),
             "dims": ("output", y, x),
             "attrs": {"long_name": "model output per pixel"},
+        },
+        {
+            "name": "model_status",
+            "src": ("model", "model_status"),
+            "dims": (y, x),
+            "attrs": {
+                "long_name": "model stage status",
+                "flag_values": np.array(model_flags, dtype=np.int8),
+                "flag_meanings": " ".join(MODEL_STATUS_FLAGS[k] for k in model_flags),
+            },
         },
     ]
     for kind, label in (
@@ -323,7 +323,10 @@ def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> St
     for kind in ("load", "design", "normal_equations", "solve", "model"):
         art = inputs[kind]
         made = art.prepared.info if isinstance(art, TiledArtifact) else art.info
-        configs[kind] = {"impl": made["impl"], **made["config"]}
+        # Keys leave input file paths out (they cover the content); the file records
+        # the paths this run read, which are part of this stage's key (records_sources).
+        paths = (art.meta.get(SOURCE) or {}).get("paths", {})
+        configs[kind] = {"impl": made["impl"], **made["config"], **paths}
         keys[kind] = art.key
     configs["write"] = config.key_payload()
     keys["write"] = ctx.key
@@ -369,6 +372,7 @@ register(
         run=run,
         inputs=("load", "design", "normal_equations", "solve", "model"),
         verify=still_valid,
+        records_sources=True,
         summary="one NetCDF file, atomically",
     )
 )

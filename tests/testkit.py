@@ -16,6 +16,7 @@ CONTRACT = {
     "n_valid",
     "status",
     "prediction",
+    "model_status",
     "grad_weight",
     "grad_bias",
 }

@@ -20,12 +20,20 @@ import yaml
 from safetensors.torch import save_file
 
 from flows.cli import main
+from schemas import errors
 
 from testkit import make_ds
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
 Setup = Callable[[Path, dict[str, Any]], None]
+KINDS = tuple(
+    f"{cls.kind}: "
+    for cls in vars(errors).values()
+    if isinstance(cls, type)
+    and cls.__module__ == errors.__name__
+    and issubclass(cls, errors.GridsolveError)
+)
 
 
 def base(tmp_path: Path) -> dict[str, Any]:
@@ -67,6 +75,12 @@ def _design_nan(ds: Any) -> Any:
     A[3, 1] = np.nan
     ds["A"] = (("time", "coef"), A)
     return ds
+
+
+def _nat_time(ds: Any) -> Any:
+    time = ds["time"].values.copy()
+    time[4] = np.datetime64("NaT")
+    return ds.assign_coords(time=time)
 
 
 def _rank_deficient(ds: Any) -> Any:
@@ -142,6 +156,30 @@ CASES: dict[str, tuple[Setup, list[str]]] = {
         ),
         ["design 'A' holds 1 NaN"],
     ),
+    "NaT in the obs coordinate": (
+        lambda t, c: cube_with(t, c, _nat_time),
+        ["obs coordinate 'time' holds 1 NaT value(s) (first at time=4)", "finite 'time' value"],
+    ),
+    "weights all zero": (
+        lambda t, c: cube_with(
+            t, c, lambda ds: ds.assign(w=("time", np.zeros(12))), variable="signal", weights="w"
+        ),
+        ["weights 'w' are all zero: no observation has weight > 0", "check load.weights"],
+    ),
+    "NaN and negative weights": (
+        lambda t, c: cube_with(
+            t,
+            c,
+            lambda ds: ds.assign(w=("time", np.r_[np.nan, -1.0, np.ones(10)])),
+            variable="signal",
+            weights="w",
+        ),
+        ["must be finite and ≥ 0; found 1 NaN", "a weight of 0 drops its observation"],
+    ),
+    "values beyond float32": (
+        lambda t, c: cube_with(t, c, lambda ds: ds.assign(signal=ds["signal"] * 1e40)),
+        ["the cube's values do not fit float32", "set solve.dtype: float64"],
+    ),
     "rank-deficient design under cholesky": (
         lambda t, c: (
             cube_with(t, c, _rank_deficient, variable="signal", design="A"),
@@ -193,6 +231,8 @@ def test_bad_input(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert message and "Traceback" not in err
     for needle in needles:
         assert needle in err, err
+    # printed once: the console shows Prefect's run log, which leaves the message out
+    assert len([line for line in message if line.startswith(KINDS)]) == 1, err
     out = Path(cfg["write"]["path"])
     assert not out.exists()
     assert not list(out.parent.glob("*.tmp")) if out.parent.exists() else True

@@ -20,7 +20,7 @@ GRIDSOLVE = str(Path(sys.executable).parent / "gridsolve")
 
 
 def gridsolve(
-    *args: str, cwd: Path | None = None, timeout: float = 900
+    *args: str, cwd: Path | None = None, timeout: float = 900, **env: str
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [GRIDSOLVE, *args],
@@ -28,7 +28,7 @@ def gridsolve(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ},
+        env={**os.environ, **env},
     )
 
 
@@ -81,11 +81,15 @@ def test_validate_good_and_bad(tmp_path: Path) -> None:
     assert_clean_failure(bad, "solve.polcy: unknown key", "write.complevel")
 
 
+@pytest.mark.server
 @pytest.mark.usefixtures("prefect_server")
 def test_missing_input_fails_cleanly_without_output(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, tmp_path / "missing.nc")
-    res = gridsolve("run", str(cfg))
+    # Prefect's default console level, as a user has it: its run log shows there too.
+    res = gridsolve("run", str(cfg), PREFECT_LOGGING_LEVEL="INFO")
     assert_clean_failure(res, "input file not found", "load.path")
+    assert res.stderr.count("input file not found") == 1, res.stderr  # printed once
+    assert "Finished in state Failed" in res.stderr  # Prefect's own log is still there
     assert not (tmp_path / "out.nc").exists()
 
 

@@ -1,16 +1,21 @@
-"""Tiles on a real Dask LocalCluster (2 worker processes) give the threads output, bit for bit."""
+"""Tiles on a real Dask LocalCluster (2 worker processes) give the threads output.
+
+Same keys (the runner is speed-only) and values within the agreement bound:
+Dask's workers run BLAS with other thread settings than the threads runner,
+which the guarantee covers only within the bound (README, Determinism).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import xarray as xr
 
 from flows.pipeline import run_config
 from schemas.config import build_config
+from stages.agreement import disagreements
 
 from testkit import make_ds
 
@@ -30,18 +35,19 @@ def cfg(tmp_path: Path, cube: Path, cache: str, **execution: Any) -> Any:
     )
 
 
-def test_local_cluster_output_is_identical_to_threads(tmp_path: Path, write_cube: Any) -> None:
+def test_local_cluster_output_agrees_with_threads(tmp_path: Path, write_cube: Any) -> None:
     cube = write_cube(make_ds(n_obs=30, ny=16, nx=24, nan_fraction=0.15, dtype="float32"))
     threads = run_config(cfg(tmp_path, cube, "cache-threads"))
-    first = Path(threads.output).read_bytes()
     with xr.open_dataset(threads.output) as ds:
         expected = {name: ds[name].values for name in ds.data_vars}
+        first_keys = ds.attrs["gridsolve_keys"]
     Path(threads.output).unlink()
     # Same output path, its own cache: every stage really computed on the cluster.
     dask = run_config(cfg(tmp_path, cube, "cache-dask", runner="dask", dask_workers=2))
     assert threads.tiles == dask.tiles > 2
     assert not any(s.hit for s in dask.stages)
     with xr.open_dataset(dask.output) as ds:
-        for name, values in expected.items():
-            np.testing.assert_array_equal(ds[name].values, values, err_msg=name)
-    assert Path(dask.output).read_bytes() == first  # the runner is speed-only: same keys, same file
+        got = {name: ds[name].values for name in ds.data_vars}
+        keys = ds.attrs["gridsolve_keys"]
+    assert not disagreements(got, expected)
+    assert keys == first_keys

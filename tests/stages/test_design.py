@@ -75,3 +75,26 @@ def test_generated_design_needs_numeric_obs(chain: Chain, write_cube: Any) -> No
     chain.whole("load", NetCDFLoad(path=str(write_cube(ds, "s.nc"))))
     with pytest.raises(ContractError, match="numeric or datetime observation coordinate"):
         chain.whole("design", PolynomialDesign())
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.array(["2021-01-01", "NaT", "2021-01-03"], dtype="datetime64[ns]"),
+        np.array([0.0, np.nan, 2.0]),
+        np.array([0.0, 1.0, np.inf]),
+    ],
+)
+def test_obs_axis_refuses_non_finite_values(values: np.ndarray) -> None:
+    from stages.design import obs_axis
+
+    with pytest.raises(ContractError, match="needs a finite observation coordinate"):
+        obs_axis(values, "design/polynomial")
+
+
+def test_obs_axis_days_are_unchanged_for_valid_datetimes() -> None:
+    from stages.design import obs_axis
+
+    days, unit = obs_axis(np.array(["1970-01-02", "2021-01-01T12"], dtype="datetime64[ns]"), "d")
+    np.testing.assert_array_equal(days, [1.0, 18628.5])
+    assert unit == "days since 1970-01-01"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +15,9 @@ import pytest
 from schemas.artifacts import Tile
 from schemas.config import NetCDFLoad
 from schemas.errors import ContractError, InputError
-from stages.load import fingerprint, infer_dims, read_block, run
+from stages.load import fingerprint, infer_dims, locate, read_block, run
 
-from testkit import make_ds
+from testkit import Chain, make_ds
 
 
 @pytest.mark.parametrize(
@@ -69,7 +71,8 @@ def test_content_hash_ignores_path_and_mtime_but_sees_one_value(
 def test_tile_read_transposes_to_obs_y_x(ctx: Any, write_cube: Any) -> None:
     ds = make_ds(n_obs=7, ny=4, nx=3)
     path = write_cube(ds.transpose("y", "x", "time"), "yxt.nc")
-    meta = run(NetCDFLoad(path=str(path)), {}, ctx).meta
+    cfg = NetCDFLoad(path=str(path))
+    meta = {**run(cfg, {}, ctx).meta, "source": locate(cfg, ctx)}  # as the runner opens it
     assert meta["dims"] == ["y", "x", "time"] and meta["obs_dim"] == "time"
     block = read_block(meta, "cube", Tile(index=0, y0=1, y1=3, x0=0, x1=2))
     np.testing.assert_array_equal(block, ds["signal"].values[:, 1:3, 0:2])
@@ -77,7 +80,8 @@ def test_tile_read_transposes_to_obs_y_x(ctx: Any, write_cube: Any) -> None:
 
 def test_tile_read_refuses_a_file_changed_after_hashing(ctx: Any, write_cube: Any) -> None:
     path = write_cube(make_ds(), "c.nc")
-    meta = run(NetCDFLoad(path=str(path)), {}, ctx).meta
+    cfg = NetCDFLoad(path=str(path))
+    meta = {**run(cfg, {}, ctx).meta, "source": locate(cfg, ctx)}  # as the runner opens it
     make_ds(seed=5).to_netcdf(path)
     with pytest.raises(InputError, match="changed or vanished"):
         read_block(meta, "cube", Tile(index=0, y0=0, y1=1, x0=0, x1=1))
@@ -153,3 +157,138 @@ def test_missing_file_not_netcdf_and_truncated(ctx: Any, tmp_path: Path, cube_pa
     cut.write_bytes(cube_path.read_bytes()[: cube_path.stat().st_size // 2])
     with pytest.raises(InputError, match="corrupt or truncated"):
         run(NetCDFLoad(path=str(cut)), {}, ctx)
+
+
+@pytest.mark.parametrize(
+    ("bad", "what"),
+    [
+        (np.datetime64("NaT"), "1 NaT value(s) (first at time=3)"),
+        (np.nan, "1 non-finite (NaN or infinite) value(s) (first at time=3)"),
+        (np.inf, "1 non-finite (NaN or infinite) value(s) (first at time=3)"),
+    ],
+)
+def test_non_finite_obs_coordinate_is_refused(
+    ctx: Any, write_cube: Any, bad: Any, what: str
+) -> None:
+    ds = make_ds(datetime_obs=isinstance(bad, np.datetime64))
+    time = ds["time"].values.copy()
+    time[3] = bad
+    path = write_cube(ds.assign_coords(time=time), "badtime.nc")
+    with pytest.raises(ContractError) as err:
+        run(NetCDFLoad(path=str(path)), {}, ctx)
+    text = str(err.value)
+    assert f"obs coordinate 'time' holds {what}" in text
+    assert "give every observation a finite 'time' value" in text
+
+
+def _packed(ds: Any, sentinel: int, **valid: Any) -> Any:
+    """``signal`` packed as int16 (scale 0.001, offset 2), ``sentinel`` stored at (3, 1, 2)."""
+    raw = np.round((ds["signal"].values - 2.0) / 0.001).astype(np.int16)
+    raw[3, 1, 2] = sentinel
+    attrs = {"scale_factor": np.float32(0.001), "add_offset": np.float32(2.0), "units": "K"}
+    return ds.assign(signal=(ds["signal"].dims, raw, {**attrs, **valid}))
+
+
+def _netcdf4_masked(path: Path) -> np.ndarray:
+    """The oracle: netCDF4's own auto-masking and scaling, masked values as NaN."""
+    import netCDF4
+
+    with netCDF4.Dataset(path) as nc, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "valid_range not used since it cannot be safely cast"
+        return np.ma.filled(nc["signal"][:].astype(np.float64), np.nan)
+
+
+@pytest.mark.parametrize(
+    ("valid", "masked"),
+    [
+        ({"valid_min": np.int16(-32767)}, True),
+        ({"valid_range": np.array([-32767, 32767], np.int16)}, True),
+        ({"valid_max": np.int16(30000)}, False),  # the sentinel is below it: valid
+        # in unpacked units: not a value of int16, so ignored (as netCDF4 does)
+        ({"valid_range": np.array([-30.5, 40.5], np.float32)}, False),
+    ],
+)
+def test_cf_valid_range_masks_packed_values(
+    chain: Chain,
+    write_cube: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    valid: dict[str, Any],
+    masked: bool,
+) -> None:
+    monkeypatch.setattr("stages.load._WARNED", set())
+    path = write_cube(_packed(make_ds(), -32768, **valid), "packed.nc")
+    oracle = _netcdf4_masked(path)
+    assert np.isnan(oracle[3, 1, 2]) == masked and np.isnan(oracle).sum() == int(masked)
+    with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
+        chain.whole("load", NetCDFLoad(path=str(path)))
+    ignored = valid.get("valid_range", np.zeros(0, "i2")).dtype.kind == "f"
+    assert ("is not a value of the stored dtype int16" in caplog.text) == ignored
+    meta = chain.refs["load"].meta
+    assert meta["nan_count"] == int(masked)  # the stats see the mask
+    block = read_block(meta, "cube", Tile(index=0, y0=0, y1=6, x0=0, x1=5))
+    np.testing.assert_array_equal(np.isnan(block), np.isnan(oracle))
+    np.testing.assert_allclose(block, oracle, rtol=1e-6, equal_nan=True)
+
+
+def test_content_hash_sees_masked_values(ctx: Any, write_cube: Any) -> None:
+    def key(sentinel: int, **valid: Any) -> str:
+        path = write_cube(_packed(make_ds(), sentinel, **valid), f"p{sentinel}{len(valid)}.nc")
+        return str(fingerprint(NetCDFLoad(path=str(path)), ctx)["content"])
+
+    vmin = {"valid_min": np.int16(-32766)}
+    # two invalid stored values decode to the same content: missing
+    assert key(-32768, **vmin) == key(-32767, **vmin)
+    # without valid_min the sentinel is data, and different sentinels differ
+    assert key(-32768) != key(-32768, **vmin) and key(-32768) != key(-32767)
+
+
+def test_unpacked_integer_cube_with_valid_range(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds()
+    raw = np.round(ds["signal"].values * 100).astype(np.int32)
+    raw[0, 0, 0] = -999
+    ds = ds.assign(signal=(ds["signal"].dims, raw, {"valid_range": np.array([0, 10_000], "i4")}))
+    chain.whole("load", NetCDFLoad(path=str(write_cube(ds, "int.nc"))))
+    block = read_block(chain.refs["load"].meta, "cube", Tile(index=0, y0=0, y1=2, x0=0, x1=2))
+    assert block.dtype == np.float64 and np.isnan(block[0, 0, 0])
+    np.testing.assert_array_equal(block[1:], raw[1:, :2, :2])
+
+
+def test_all_zero_shared_weights_are_refused_clearly(ctx: Any, write_cube: Any) -> None:
+    ds = make_ds()
+    ds["w"] = ("time", np.zeros(12))
+    path = write_cube(ds, "w0.nc")
+    with pytest.raises(ContractError) as err:
+        run(NetCDFLoad(path=str(path), variable="signal", weights="w"), {}, ctx)
+    text = str(err.value)
+    assert "weights 'w' are all zero: no observation has weight > 0" in text
+    assert "check load.weights" in text and "float32" not in text
+
+
+def test_bad_weights_fix_line_does_not_suggest_nan(ctx: Any, write_cube: Any) -> None:
+    ds = make_ds()
+    w = np.ones(12)
+    w[2], w[5] = np.nan, -1.0
+    ds["w"] = ("time", w)
+    path = write_cube(ds, "wbad.nc")
+    with pytest.raises(ContractError) as err:
+        run(NetCDFLoad(path=str(path), variable="signal", weights="w"), {}, ctx)
+    fix = next(line for line in str(err.value).splitlines() if line.strip().startswith("fix:"))
+    assert "a weight of 0 drops its observation" in fix
+    assert "by NaN" not in fix
+
+
+def test_design_labels_are_part_of_the_content(ctx: Any, write_cube: Any) -> None:
+    ds = make_ds()
+    ds["A"] = (("time", "coef"), np.random.default_rng(1).standard_normal((12, 3)))
+
+    def load(labels: list[str], name: str) -> tuple[str, Any]:
+        path = write_cube(ds.assign_coords(coef=labels), name)
+        cfg = NetCDFLoad(path=str(path), variable="signal", design="A")
+        return str(fingerprint(cfg, ctx)["content"]), run(cfg, {}, ctx).meta["design_columns"]
+
+    key_abc, cols_abc = load(["a", "b", "c"], "abc.nc")
+    key_xyz, cols_xyz = load(["x", "y", "z"], "xyz.nc")
+    assert (cols_abc, cols_xyz) == (["a", "b", "c"], ["x", "y", "z"])
+    assert key_abc != key_xyz
+    assert load(["a", "b", "c"], "abc-again.nc")[0] == key_abc

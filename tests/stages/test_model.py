@@ -6,23 +6,27 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import netCDF4
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from schemas.config import (
     LstsqSolve,
     ModuleModel,
     MultidimLinearModel,
     NetCDFLoad,
+    NetCDFWrite,
     RandomDesign,
     SVDNormalEquations,
 )
+from schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS
 from schemas.errors import ConfigError, ContractError, InputError
 from stages.model import build_module
 from stages.models import MultidimLinear
 
+import my_models
 from testkit import Chain, make_ds
 
 
@@ -207,3 +211,266 @@ def test_nan_coefficients_give_nan_outputs(chain: Chain, write_cube: Any) -> Non
         np.isnan(out["prediction"][:, 1, 1]).all() and np.isnan(out["grad:weight"][..., 1, 1]).all()
     )
     assert np.isfinite(out["prediction"][:, 0, 0]).all()
+    assert out["model_status"][1, 1] == MODEL_STATUS_CODES["input_not_finite"]
+    assert out["model_status"][0, 0] == MODEL_STATUS_CODES["ok"]
+
+
+# ---------------------------------------------------------------- the whole checkpoint
+def checkpoint(module: torch.nn.Module, path: Path) -> Path:
+    """Save ``module``'s full state dict (parameters and buffers) as safetensors or torch.save."""
+    if path.suffix == ".safetensors":
+        save_file(module.state_dict(), str(path))
+    else:
+        torch.save(module.state_dict(), path)
+    return path
+
+
+def oracle_from(cls: type[torch.nn.Module], path: Path, **kwargs: Any) -> torch.nn.Module:
+    """The real module, its whole checkpoint loaded with load_state_dict, in eval mode."""
+    module = cls(**kwargs)
+    state = load_file(str(path)) if path.suffix == ".safetensors" else torch.load(path)
+    module.load_state_dict(state)
+    return module.eval()
+
+
+def check_against_oracle(
+    out: dict[str, np.ndarray],
+    module: torch.nn.Module,
+    rows: range,
+    *,
+    target: np.ndarray | None = None,
+    jacobian: bool = False,
+) -> None:
+    """Prediction, gradients (params and input) and Jacobians of each pixel, by autograd."""
+    X = pixels(out["coefficients"])
+    names = [n for n, _ in module.named_parameters()]
+    for p in rows:
+        x = torch.from_numpy(X[p]).float().requires_grad_(True)
+        y = module(x).reshape(-1)
+        loss = (
+            y.sum() if target is None else ((y - torch.from_numpy(target[p]).float()) ** 2).mean()
+        )
+        grads = torch.autograd.grad(loss, [*module.parameters(), x], retain_graph=True)
+        np.testing.assert_allclose(
+            pixels(out["prediction"])[p], y.detach().numpy(), rtol=1e-5, atol=1e-6
+        )
+        for name, g in zip([*names, "input"], grads, strict=True):
+            np.testing.assert_allclose(
+                pixels(out[f"grad:{name}"])[p], g.numpy(), rtol=1e-5, atol=1e-6, err_msg=name
+            )
+        if jacobian:
+            for o in range(y.numel()):
+                rows_o = torch.autograd.grad(y[o], [*module.parameters(), x], retain_graph=True)
+                for name, g in zip([*names, "input"], rows_o, strict=True):
+                    np.testing.assert_allclose(
+                        pixels(out[f"jac:{name}"])[p][o], g.numpy(), rtol=1e-5, atol=1e-6
+                    )
+
+
+def test_checkpoint_buffer_is_used(chain: Chain, grid: Path, tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    ref = my_models.Scaled()
+    ref.scale.fill_(3.0)  # type: ignore[operator]
+    path = checkpoint(ref, tmp_path / "scaled.safetensors")
+    cfg = ModuleModel(target="my_models:Scaled", input_shape=(6,), weights=str(path), wrt="both")
+    out = run_model(chain, grid, cfg)
+    assert "grad:scale" not in out  # buffers are constants, not differentiated
+    oracle = oracle_from(my_models.Scaled, path)
+    check_against_oracle(out, oracle, range(240))
+    # Without the buffer the prediction would be a third of this.
+    unscaled = oracle.lin(torch.from_numpy(pixels(out["coefficients"])[0]).float())
+    np.testing.assert_allclose(
+        pixels(out["prediction"])[0], 3 * unscaled.detach().numpy(), rtol=1e-5
+    )
+
+
+def test_checkpoint_without_a_buffer_is_refused(chain: Chain, grid: Path, tmp_path: Path) -> None:
+    path = tmp_path / "params_only.safetensors"
+    save_file(dict(my_models.Scaled().named_parameters()), str(path))
+    cfg = ModuleModel(target="my_models:Scaled", input_shape=(6,), weights=str(path))
+    with pytest.raises(ContractError) as err:
+        run_model(chain, grid, cfg)
+    assert "missing tensor 'scale' of shape ()" in str(err.value)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_integer_first_entry_does_not_set_the_dtype(
+    chain: Chain, grid: Path, tmp_path: Path, suffix: str
+) -> None:
+    torch.manual_seed(2)
+    ref = my_models.IntBufferFirst()
+    ref.offset.fill_(5)  # type: ignore[operator]
+    first, tensor = next(iter(ref.state_dict().items()))
+    assert first == "offset" and tensor.dtype == torch.int64  # the case under test
+    path = checkpoint(ref, tmp_path / f"w{suffix}")
+    cfg = ModuleModel(
+        target="my_models:IntBufferFirst", input_shape=(6,), weights=str(path), wrt="both"
+    )
+    out = run_model(chain, grid, cfg)
+    assert np.abs(pixels(out["grad:lin.weight"])).max() > 0
+    check_against_oracle(out, oracle_from(my_models.IntBufferFirst, path), range(0, 240, 3))
+
+
+def test_batchnorm_eval_uses_running_statistics(chain: Chain, grid: Path, tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    ref = my_models.WithBatchNorm()
+    with torch.no_grad():
+        ref.bn.running_mean.copy_(torch.tensor([0.5, -1.0, 2.0, 0.1]))  # type: ignore[operator]
+        ref.bn.running_var.copy_(torch.tensor([0.25, 4.0, 1.5, 0.8]))  # type: ignore[operator]
+        ref.bn.num_batches_tracked.fill_(17)  # type: ignore[operator]
+        ref.bn.weight.copy_(torch.tensor([1.5, 0.5, -1.0, 2.0]))
+        ref.bn.bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    path = checkpoint(ref, tmp_path / "bn.safetensors")
+    cfg = ModuleModel(
+        target="my_models:WithBatchNorm",
+        input_shape=(6,),
+        weights=str(path),
+        wrt="both",
+        jacobian=True,
+    )
+    assert cfg.mode == "eval"  # the default
+    out = run_model(chain, grid, cfg)
+    check_against_oracle(
+        out, oracle_from(my_models.WithBatchNorm, path), range(0, 240, 5), jacobian=True
+    )
+
+
+def test_train_mode_batchnorm_and_dropout_are_refused(chain: Chain, grid: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        run_model(
+            chain,
+            grid,
+            ModuleModel(target="my_models:WithBatchNorm", input_shape=(6,), mode="train"),
+        )
+    text = str(err.value)
+    assert "BatchNorm" in text and "bn" in text and "model.mode: eval" in text
+    with pytest.raises(ConfigError) as err:
+        run_model(
+            Chain(chain.ctx),
+            grid,
+            ModuleModel(target="my_models:WithDropout", input_shape=(6,), mode="train"),
+        )
+    assert "Dropout" in str(err.value) and "drop" in str(err.value)
+
+
+def test_dropout_is_off_in_eval_mode(chain: Chain, grid: Path, tmp_path: Path) -> None:
+    ref = my_models.WithDropout()
+    path = checkpoint(ref, tmp_path / "d.pt")
+    cfg = ModuleModel(
+        target="my_models:WithDropout", input_shape=(6,), weights=str(path), wrt="both"
+    )
+    out = run_model(chain, grid, cfg)
+    check_against_oracle(out, oracle_from(my_models.WithDropout, path), range(0, 240, 11))
+
+
+def test_train_mode_of_a_per_sample_model_runs(chain: Chain, grid: Path) -> None:
+    kw = {"target": "my_models:TinyMLP", "kwargs": {"n_in": 6}, "input_shape": (6,)}
+    train = run_model(chain, grid, ModuleModel(**kw, mode="train"))
+    evaluated = run_model(Chain(chain.ctx), grid, ModuleModel(**kw))
+    np.testing.assert_array_equal(train["prediction"], evaluated["prediction"])
+
+
+# ---------------------------------------------------------------- refused at prepare
+@pytest.mark.parametrize("target", ["my_models:ItemForward", "my_models:BranchOnValue"])
+def test_forward_vmap_cannot_batch_is_refused_at_prepare(
+    chain: Chain, grid: Path, target: str
+) -> None:
+    from stages.runner import prepare_stage
+
+    chain.whole("load", NetCDFLoad(path=str(grid)))
+    chain.whole("design", RandomDesign(coef=6))
+    chain.whole("normal_equations", SVDNormalEquations())
+    chain.tiled("solve", LstsqSolve())
+    cfg = ModuleModel(target=target, input_shape=(6,))
+    refs = {k: chain.refs[k] for k in ("load", "design", "solve")}
+    with pytest.raises(ContractError) as err:
+        prepare_stage(cfg, refs, chain.ctx)  # before any tile runs
+    text = str(err.value)
+    assert target in text and "cannot be batched over pixels" in text and "forward" in text
+    assert "write forward with tensor ops only" in text and ".item()" in text
+    assert "if/while on tensor values" in text and "likely a bug" not in text
+
+
+def test_forward_that_modifies_a_buffer_is_refused(chain: Chain, grid: Path) -> None:
+    with pytest.raises(ContractError) as err:
+        run_model(chain, grid, ModuleModel(target="my_models:CountsCalls", input_shape=(6,)))
+    assert "modifies buffer 'calls' in place" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("target", "found"),
+    [
+        ("my_models:TupleOut", "returns a tuple of 2 (Tensor (2,), Tensor ())"),
+        ("my_models:DictOut", "returns a dict with keys ['h', 'total']"),
+    ],
+)
+def test_tuple_and_dict_outputs_are_refused_with_a_fix(
+    chain: Chain, grid: Path, target: str, found: str
+) -> None:
+    with pytest.raises(ContractError) as err:
+        run_model(chain, grid, ModuleModel(target=target, input_shape=(6,)))
+    text = str(err.value)
+    assert found in text and "not one tensor" in text
+    assert "fix:      return one tensor, e.g. torch.cat(" in text
+
+
+# ---------------------------------------------------------------- model_status
+def test_nan_target_flags_model_status(chain: Chain, write_cube: Any, tmp_path: Path) -> None:
+    ds = make_ds(n_obs=12, ny=4, nx=5)
+    ds["signal"][:, 0, 0] = np.nan  # no coefficients: input_not_finite
+    target = np.random.default_rng(4).standard_normal((2, 4, 5))
+    target[1, 1, 2] = np.nan  # one of the two target values
+    target[:, 3, 4] = np.nan
+    ds["t"] = (("out", "y", "x"), target)
+    path = write_cube(ds)
+    cfg = ModuleModel(
+        target="my_models:TinyMLP",
+        kwargs={"n_in": 6},
+        input_shape=(6,),
+        objective="mse",
+        wrt="both",
+        jacobian=True,
+    )
+    out = run_model(chain, path, cfg, variable="signal", target="t")
+    status = out["model_status"]
+    expected = np.zeros((4, 5), np.int8)
+    expected[0, 0] = MODEL_STATUS_CODES["input_not_finite"]
+    expected[1, 2] = expected[3, 4] = MODEL_STATUS_CODES["target_not_finite"]
+    np.testing.assert_array_equal(status, expected)
+    for y, x in ((1, 2), (3, 4)):
+        # The gradient of the objective is undefined there; the outputs themselves are not.
+        assert all(np.isnan(out[k][..., y, x]).all() for k in out if k.startswith("grad:"))
+        assert np.isfinite(out["prediction"][:, y, x]).all()
+        assert np.isfinite(out["jac:layer1.weight"][..., y, x]).all()
+    module = build_module(cfg)
+    check_against_oracle(out, module, range(1, 7), target=pixels(target), jacobian=True)
+
+    chain.whole("write", NetCDFWrite(path=str(tmp_path / "out.nc")))
+    with netCDF4.Dataset(tmp_path / "out.nc") as nc:
+        var = nc.variables["model_status"]
+        assert var.dimensions == ("y", "x")
+        assert list(var.flag_values) == sorted(MODEL_STATUS_FLAGS)
+        assert var.flag_meanings.split() == [
+            MODEL_STATUS_FLAGS[k] for k in sorted(MODEL_STATUS_FLAGS)
+        ]
+        np.testing.assert_array_equal(var[:], expected)
+
+
+def test_non_finite_outputs_are_not_ok(chain: Chain, grid: Path, tmp_path: Path) -> None:
+    coefs = run_model(chain, grid, MultidimLinearModel(input_dim=3, hidden_dim=2))["coefficients"]
+    ref = my_models.LogOutput()
+    with torch.no_grad():  # log(c0 - median(c0)) is NaN for about half the pixels
+        ref.lin.weight.zero_()
+        ref.lin.weight[:, 0] = 1.0
+        ref.lin.bias.copy_(torch.tensor([-float(np.median(coefs[0])), 100.0]))
+    path = checkpoint(ref, tmp_path / "log.pt")
+    out = run_model(
+        Chain(chain.ctx),
+        grid,
+        ModuleModel(target="my_models:LogOutput", input_shape=(6,), weights=str(path)),
+    )
+    bad = ~np.isfinite(out["prediction"]).all(axis=0)
+    assert 0 < bad.sum() < bad.size  # the case under test: some outputs are NaN, some not
+    status = out["model_status"]
+    np.testing.assert_array_equal(status[bad], MODEL_STATUS_CODES["output_not_finite"])
+    assert (status[~bad] == MODEL_STATUS_CODES["ok"]).all()

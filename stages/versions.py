@@ -1,0 +1,248 @@
+"""What computed a result: the source of the code that ran and the library versions.
+
+Cache keys and the output's ``gridsolve_versions`` attribute both come from
+here, so an output names the versions that computed it and no cache entry
+survives a change of code or of a library that can change numbers.
+
+Code is versioned the way Hamilton versions functions: by a digest of its
+source with comments and docstrings removed (the ``ast`` of each module,
+without line numbers), over the module that defines an implementation and
+every module it imports at module level, transitively, that is gridsolve's
+own (``stages``, ``schemas``, ``flows``), of the same top-level package as the
+implementation, or local (a ``.py`` file outside the standard library and
+site-packages: a user's package). Imports inside functions are not followed:
+in gridsolve they only register implementations or break import cycles, and
+following them would make every stage depend on every other. Packages
+installed in site-packages are covered by their version instead, for those
+that can change numbers (:data:`NUMERIC_PACKAGES`).
+
+The digest is of the files on disk, re-read when their size or mtime change;
+a long-running process (a Dask worker) whose files were edited under it runs
+its old code, so restart workers after changing code.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import os
+import site
+import sys
+import sysconfig
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.hashing import canonical_json, hash_text
+
+#: Distributions whose version can change the numbers gridsolve computes. h5py is
+#: left out: gridsolve reads and writes through netCDF4 (which bundles its own
+#: HDF5), never through h5py. Prefect only orchestrates.
+NUMERIC_PACKAGES = ("gridsolve", "numpy", "scipy", "torch", "xarray", "netCDF4")
+
+#: gridsolve's own top-level packages: always versioned by source, wherever installed.
+GRIDSOLVE_PACKAGES = frozenset({"flows", "schemas", "stages"})
+
+
+# ---------------------------------------------------------------- libraries
+@functools.cache
+def _installed_versions() -> tuple[tuple[str, str], ...]:
+    out = [("python", sys.version.split()[0])]
+    for pkg in NUMERIC_PACKAGES:
+        try:
+            out.append((pkg, importlib.metadata.version(pkg)))
+        except importlib.metadata.PackageNotFoundError:
+            out.append((pkg, "unknown"))
+    return tuple(out)
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of Python and of the packages that can change numbers (read once per process).
+
+    Part of every cache key, and recorded in every output as ``gridsolve_versions``.
+    """
+    return dict(_installed_versions())
+
+
+def forget_versions() -> None:
+    """Read the installed versions again on next use (tests that fake a version)."""
+    _installed_versions.cache_clear()
+
+
+# ---------------------------------------------------------------- code
+@dataclass(frozen=True)
+class _Parsed:
+    digest: str
+    imports: tuple[str, ...]
+
+
+_PARSED: dict[tuple[str, int, int, int], _Parsed] = {}
+_LOCK = threading.Lock()
+
+
+class _StripDocstrings(ast.NodeTransformer):
+    """Drops the docstring of every module, class and function (they never change results)."""
+
+    def _strip(self, node: ast.AST) -> ast.AST:
+        self.generic_visit(node)
+        body = getattr(node, "body", None)
+        if (
+            body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]  # type: ignore[attr-defined]
+        return node
+
+    visit_Module = _strip
+    visit_ClassDef = _strip
+    visit_FunctionDef = _strip
+    visit_AsyncFunctionDef = _strip
+
+
+def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """Statements run when the module is imported: not those inside functions or classes."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            continue
+        for name in ("body", "orelse", "finalbody"):
+            yield from _module_level(getattr(node, name, []) or [])
+        for handler in getattr(node, "handlers", []) or []:
+            yield from _module_level(handler.body)
+
+
+def _imports(tree: ast.Module, package: str) -> tuple[str, ...]:
+    """Absolute names of what ``tree`` imports at module level (``from a import b``: a.b and a)."""
+    names: list[str] = []
+    for node in _module_level(tree.body):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                try:
+                    base = importlib.util.resolve_name("." * node.level + base, package)
+                except ImportError:
+                    continue
+            # ``from a import b`` runs a's __init__ only when b is not a submodule of a;
+            # which it is gets decided when the names are resolved to files.
+            names.append(f"{base}:" + ",".join(alias.name for alias in node.names))
+    return tuple(names)
+
+
+def _parse(path: str, package: str) -> _Parsed:
+    st = os.stat(path)
+    memo = (path, st.st_size, st.st_mtime_ns, st.st_ino)
+    with _LOCK:
+        if memo in _PARSED:
+            return _PARSED[memo]
+    source = Path(path).read_bytes()
+    try:
+        tree = ast.parse(source, filename=path)
+    except (SyntaxError, ValueError):
+        parsed = _Parsed(digest=hash_text(source.decode("utf-8", "replace")), imports=())
+    else:
+        imports = _imports(tree, package)
+        normalised = ast.dump(_StripDocstrings().visit(tree), include_attributes=False)
+        parsed = _Parsed(digest=hash_text(normalised), imports=imports)
+    with _LOCK:
+        _PARSED[memo] = parsed
+    return parsed
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    dirs = {
+        sysconfig.get_paths().get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib")
+    }
+    dirs.update(site.getsitepackages())
+    dirs.add(site.getusersitepackages())
+    return tuple(os.path.realpath(d) for d in dirs if d)
+
+
+def _is_library(path: str) -> bool:
+    real = os.path.realpath(path)
+    return any(real == d or real.startswith(d + os.sep) for d in _library_dirs())
+
+
+def _source_file(name: str) -> str | None:
+    """The ``.py`` file of module ``name`` (without importing it), or None."""
+    mod = sys.modules.get(name)
+    if mod is not None:
+        f = getattr(mod, "__file__", None)
+        return f if isinstance(f, str) and f.endswith(".py") else None
+    top, _, rest = name.partition(".")
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if not rest:
+        return spec.origin if spec.origin and spec.origin.endswith(".py") else None
+    dirs = list(spec.submodule_search_locations or [])
+    *packages, last = rest.split(".")
+    for part in packages:
+        dirs = [str(Path(d) / part) for d in dirs if (Path(d) / part).is_dir()]
+    for d in dirs:
+        for candidate in (Path(d) / f"{last}.py", Path(d) / last / "__init__.py"):
+            if candidate.is_file():
+                return str(candidate)
+    return None
+
+
+def _tracked(name: str, path: str, tops: frozenset[str]) -> bool:
+    top = name.partition(".")[0]
+    return top in GRIDSOLVE_PACKAGES or top in tops or not _is_library(path)
+
+
+def _package_of(name: str, path: str) -> str:
+    return name if path.endswith("__init__.py") else name.rpartition(".")[0]
+
+
+def module_digests(roots: Iterable[str]) -> dict[str, str]:
+    """Digest of the normalised source of each module ``roots`` run, by module name.
+
+    The roots themselves, and what they import at module level, transitively,
+    that is gridsolve's own, of a root's top-level package, or local.
+    """
+    roots = sorted(set(roots))
+    tops = frozenset(r.partition(".")[0] for r in roots)
+    out: dict[str, str] = {}
+    todo = list(roots)
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if ":" in name:  # ``from base import a, b``
+            base, _, listed = name.partition(":")
+            subs = [f"{base}.{a}" for a in listed.split(",") if a != "*"]
+            found = [s for s in subs if _source_file(s) is not None]
+            todo += found
+            if len(found) < len(subs) or not subs:
+                todo.append(base)  # names from base's own namespace: its __init__ runs
+            continue
+        path = _source_file(name)
+        if path is None:
+            if name in roots:
+                out[name] = "no source"
+            continue
+        if name not in roots and not _tracked(name, path, tops):
+            continue
+        parsed = _parse(path, _package_of(name, path))
+        out[name] = parsed.digest
+        todo += parsed.imports
+    return dict(sorted(out.items()))
+
+
+def code_digest(roots: Iterable[str]) -> str:
+    """One digest of the source of the modules ``roots`` run (see :func:`module_digests`)."""
+    return hash_text(canonical_json(module_digests(roots)))

@@ -1,0 +1,236 @@
+"""Keys cover the code that runs and the libraries that can change numbers (issue 9, part 2)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from schemas.artifacts import ArtifactRef
+from schemas.config import (
+    LstsqSolve,
+    ModuleModel,
+    NetCDFLoad,
+    PolynomialDesign,
+    SVDNormalEquations,
+)
+from stages import versions
+from stages.runner import whole_key
+from stages.write import provenance
+
+from testkit import Chain, make_ds
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Runs load → design → normal_equations → solve with the runner, no Prefect,
+# with whatever `stages` package PYTHONPATH points at; prints hits and coefficients.
+PIPELINE = """
+import json, sys
+import numpy as np
+import stages
+from schemas.config import LstsqSolve, NetCDFLoad, PolynomialDesign, SVDNormalEquations
+from stages.context import StageContext
+from stages.store import Store
+from testkit import Chain
+
+chain = Chain(StageContext(store=Store(sys.argv[2])))
+chain.whole("load", NetCDFLoad(path=sys.argv[1]))
+chain.whole("design", PolynomialDesign(degree=2))
+chain.whole("normal_equations", SVDNormalEquations())
+[tile] = chain.tiled("solve", LstsqSolve(dtype="float64"))
+hits = {k: chain.runs[k].hit for k in ("load", "design", "normal_equations")}
+hits["solve"] = chain.runs["solve"][0].hit
+print(json.dumps({
+    "stages": stages.__file__,
+    "hits": hits,
+    "coefficients": np.asarray(tile.array("coefficients")).tolist(),
+}))
+"""
+
+
+def _copy_package(dest: Path) -> Path:
+    """A copy of gridsolve's packages (and the test kit) that a subprocess can import."""
+    for pkg in ("stages", "schemas", "flows"):
+        shutil.copytree(REPO / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "tests" / "testkit.py", dest / "testkit.py")
+    (dest / "pipeline.py").write_text(PIPELINE)
+    return dest
+
+
+def _run_copy(copy: Path, cube: Path, store: Path) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    res = subprocess.run(
+        [sys.executable, str(copy / "pipeline.py"), str(cube), str(store)],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+    assert Path(out["stages"]).resolve().parent == (copy / "stages").resolve()  # ran the copy
+    return out
+
+
+def test_editing_a_stage_source_misses_and_recomputes(tmp_path: Path) -> None:
+    cube = tmp_path / "cube.nc"
+    make_ds(n_obs=10, ny=3, nx=4).to_netcdf(cube)
+    store = tmp_path / "store"
+    original = _copy_package(tmp_path / "original")
+    edited = _copy_package(tmp_path / "edited")
+    # Edit the copy's solve stage: coefficients come out doubled.
+    solve = edited / "stages" / "solve.py"
+    text = solve.read_text()
+    assert text.count("        run=run_tile,\n") == 1
+    doubled = textwrap.dedent(
+        """
+        def _doubled(*args, **kwargs):
+            out = run_tile(*args, **kwargs)
+            out.arrays["coefficients"] = out.arrays["coefficients"] * 2
+            return out
+
+
+        """
+    )
+    text = text.replace("        run=run_tile,\n", "        run=_doubled,\n")
+    solve.write_text(text.replace("\nregister(\n", "\n" + doubled + "register(\n", 1))
+
+    first = _run_copy(original, cube, store)
+    assert not any(first["hits"].values()), first["hits"]
+    again = _run_copy(original, cube, store)  # another process, same code: same keys
+    assert all(again["hits"].values()), again["hits"]
+    assert again["coefficients"] == first["coefficients"]
+
+    changed = _run_copy(edited, cube, store)
+    # Only the edited stage misses: load, design and normal_equations do not import solve.py.
+    assert changed["hits"] == {
+        "load": True,
+        "design": True,
+        "normal_equations": True,
+        "solve": False,
+    }
+    assert changed["coefficients"] != first["coefficients"]
+    assert changed["coefficients"] == [
+        [[2 * v for v in row] for row in c] for c in first["coefficients"]
+    ]
+
+
+def test_comments_and_docstrings_do_not_change_the_code_version(tmp_path: Path) -> None:
+    pkg = tmp_path / f"gs_docs_{uuid.uuid4().hex[:8]}"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    mod = pkg / "m.py"
+    mod.write_text('"""Doc."""\n\ndef f(x):\n    """Twice x."""\n    return 2 * x\n')
+    sys.path.insert(0, str(tmp_path))
+    try:
+        name = f"{pkg.name}.m"
+        base = versions.code_digest([name])
+        mod.write_text('"""Other doc."""\n\n\ndef f(x):  # a comment\n    return 2 * x  # same\n')
+        assert versions.code_digest([name]) == base
+        mod.write_text('"""Doc."""\n\ndef f(x):\n    """Twice x."""\n    return 3 * x\n')
+        assert versions.code_digest([name]) != base
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+@pytest.fixture
+def fresh_versions() -> Iterator[None]:
+    versions.forget_versions()
+    yield
+    versions.forget_versions()
+
+
+def test_a_different_library_version_misses(
+    ctx: Any, cube_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_versions: None
+) -> None:
+    def stages_run() -> dict[str, bool]:
+        chain = Chain(ctx)
+        chain.whole("load", NetCDFLoad(path=str(cube_path)))
+        chain.whole("design", PolynomialDesign(degree=2))
+        chain.whole("normal_equations", SVDNormalEquations())
+        chain.tiled("solve", LstsqSolve(dtype="float64"))
+        return {"load": chain.runs["load"].hit, "solve": chain.runs["solve"][0].hit}
+
+    assert stages_run() == {"load": False, "solve": False}
+    assert stages_run() == {"load": True, "solve": True}
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata,
+        "version",
+        lambda name: "9.9.9" if name == "torch" else real(name),
+    )
+    versions.forget_versions()
+    assert versions.package_versions()["torch"] == "9.9.9"
+    assert stages_run() == {"load": False, "solve": False}
+    # The output attribute names the versions the keys covered: one function for both.
+    attrs = provenance({}, {}, "0" * 32)
+    assert json.loads(attrs["gridsolve_versions"]) == versions.package_versions()
+
+
+def test_versions_cover_the_libraries_that_change_numbers(fresh_versions: None) -> None:
+    got = versions.package_versions()
+    assert {"python", "gridsolve", "numpy", "scipy", "torch", "xarray", "netCDF4"} <= set(got)
+    assert got["torch"] == importlib.metadata.version("torch")
+
+
+# ---------------------------------------------------------------- user model code
+NET = """
+import torch
+from torch import nn
+
+from {pkg}.helpers import scale
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scale(x * self.w)
+"""
+
+
+def _model_key(config: ModuleModel, ctx: Any) -> str:
+    refs = {
+        k: ArtifactRef(kind=k, impl="x", key=digit * 32, root="")
+        for k, digit in (("load", "1"), ("design", "2"), ("solve", "3"))
+    }
+    return whole_key(config, refs, ctx)
+
+
+def test_editing_a_helper_module_of_a_user_model_misses(
+    ctx: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"gs_user_{uuid.uuid4().hex[:8]}"
+    pkg = tmp_path / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "net.py").write_text(NET.format(pkg=name))
+    helpers = pkg / "helpers.py"
+    helpers.write_text("def scale(x):\n    return 2 * x\n")
+    (pkg / "unrelated.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = ModuleModel(target=f"{name}.net:Net", input_shape=(3,))
+
+    key = _model_key(config, ctx)
+    assert _model_key(config, ctx) == key
+    (pkg / "unrelated.py").write_text("X = 2\n")  # not imported by the model
+    assert _model_key(config, ctx) == key
+    helpers.write_text('"""Scaling."""\n\n\ndef scale(x):  # times two\n    return 2 * x\n')
+    assert _model_key(config, ctx) == key  # docstrings and comments are not code
+    helpers.write_text("def scale(x):\n    return 3.0 * x\n")
+    assert _model_key(config, ctx) != key
+    assert set(versions.module_digests([f"{name}.net"])) == {f"{name}.net", f"{name}.helpers"}
