@@ -31,8 +31,8 @@ from typing import Any
 import xarray as xr
 import yaml
 
-from flows.localserver import LocalServer
-from stages.demo import make_cube, write_atomic
+from gridsolve.flows.localserver import LocalServer
+from gridsolve.stages.demo import make_cube, write_atomic
 
 from common import machine
 

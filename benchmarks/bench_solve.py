@@ -25,9 +25,9 @@ import numpy as np
 import torch
 import xarray as xr
 
-from schemas.config import LstsqSolve
-from stages.patterns import common_patterns, full_hash, pattern_hash
-from stages.solve import SharedOperator, make_operator, solve_block
+from gridsolve.schemas.config import LstsqSolve
+from gridsolve.stages.patterns import common_patterns, full_hash, pattern_hash
+from gridsolve.stages.solve import SharedOperator, make_operator, solve_block
 
 from common import machine, median_seconds, table
 

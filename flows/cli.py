@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from schemas.errors import EXIT_CODE, ConfigError, GridsolveError
+from gridsolve.schemas.errors import EXIT_CODE, ConfigError, GridsolveError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -122,7 +122,7 @@ def _need_api() -> str:
 
 def cmd_server(args: argparse.Namespace) -> int:
     """Run `prefect server start` in the foreground, with the UI pointed at itself."""
-    from flows.localserver import LocalServer
+    from gridsolve.flows.localserver import LocalServer
 
     home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
     server = LocalServer(home, port=args.port, host=args.host)
@@ -158,7 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from prefect import serve
     from prefect.deployments.runner import RunnerDeployment
 
-    from flows.pipeline import pipeline
+    from gridsolve.flows.pipeline import pipeline
 
     nightly = pipeline.to_deployment(
         name="nightly",
@@ -187,8 +187,8 @@ def _demo_config() -> dict[str, Any]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Write the demo cube and config under ``--out``, then run them."""
-    from schemas.errors import OutputError
-    from stages.demo import SIZES, make_cube, write_atomic
+    from gridsolve.schemas.errors import OutputError
+    from gridsolve.stages.demo import SIZES, make_cube, write_atomic
 
     out = Path(args.out).resolve()
     try:
@@ -214,9 +214,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _run(config_path: Path, overrides: Sequence[str], debug: bool = False) -> int:
-    from flows.failures import install
-    from flows.pipeline import run_config
-    from schemas.config import load_config
+    from gridsolve.flows.failures import install
+    from gridsolve.flows.pipeline import run_config
+    from gridsolve.schemas.config import load_config
 
     if not debug:
         install(cli=True)  # main() prints a user error; Prefect's console log must not repeat it
@@ -240,8 +240,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Validate a config; open the input to check its structure."""
-    from schemas.config import NetCDFLoad, config_to_yaml, load_config
-    from stages.load import open_netcdf
+    from gridsolve.schemas.config import NetCDFLoad, config_to_yaml, load_config
+    from gridsolve.stages.load import open_netcdf
 
     cfg = load_config(args.config, args.overrides)
     if isinstance(cfg.load, NetCDFLoad) and "{" not in cfg.load.path:
@@ -253,7 +253,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_schema(args: argparse.Namespace) -> int:
     """Print the config's JSON schema."""
-    from schemas.config import PipelineConfig
+    from gridsolve.schemas.config import PipelineConfig
 
     print(json.dumps(PipelineConfig.model_json_schema(), indent=2))
     return 0
@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.debug:
         logging.getLogger("gridsolve").setLevel(logging.WARNING)
     try:
-        import stages  # noqa: F401  (registers built-in implementations)
+        import gridsolve.stages  # noqa: F401  (registers built-in implementations)
 
         return COMMANDS[args.command](args)
     except GridsolveError as exc:

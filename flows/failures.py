@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from schemas.errors import GridsolveError, is_user_error
+from gridsolve.schemas.errors import GridsolveError, is_user_error
 
 FLOW_RUNS = "prefect.flow_runs"
 TASK_RUNS = "prefect.task_runs"

@@ -33,10 +33,10 @@ from prefect.runtime import deployment as rt_deployment
 from prefect.runtime import flow_run as rt_flow_run
 from pydantic import BaseModel, ConfigDict
 
-from flows.failures import install as install_failure_logging
-from flows.failures import noting_user_errors
-from schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
-from schemas.config import (
+from gridsolve.flows.failures import install as install_failure_logging
+from gridsolve.flows.failures import noting_user_errors
+from gridsolve.schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
+from gridsolve.schemas.config import (
     CacheConfig,
     DemoLoad,
     DesignField,
@@ -56,15 +56,22 @@ from schemas.config import (
     build_config,
     render_template,
 )
-from schemas.errors import GridsolveError, is_transient
-from stages.context import StageContext
-from stages.quicklook import markdown as quicklook_markdown
-from stages.quicklook import write_quicklook
-from stages.registry import decl_for
-from stages.runner import cache_key, prepare_stage, reusable, run_stage, run_tile, with_sources
-from stages.store import Store
-from stages.tiles import tiles_for
-from stages.write import chunk_alignment
+from gridsolve.schemas.errors import GridsolveError, is_transient
+from gridsolve.stages.context import StageContext
+from gridsolve.stages.quicklook import markdown as quicklook_markdown
+from gridsolve.stages.quicklook import write_quicklook
+from gridsolve.stages.registry import decl_for
+from gridsolve.stages.runner import (
+    cache_key,
+    prepare_stage,
+    reusable,
+    run_stage,
+    run_tile,
+    with_sources,
+)
+from gridsolve.stages.store import Store
+from gridsolve.stages.tiles import tiles_for
+from gridsolve.stages.write import chunk_alignment
 
 WHOLE = ("load", "design", "normal_equations")
 TILED = ("solve", "model")

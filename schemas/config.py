@@ -33,7 +33,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError, core_schema
 
-from schemas.errors import ConfigError
+from gridsolve.schemas.errors import ConfigError
 
 STAGE_KINDS: tuple[str, ...] = (
     "load",
@@ -528,7 +528,7 @@ DEFAULT_IMPL: dict[str, str | None] = {
 def _config_classes(kind: str) -> Mapping[str, type[StageConfig]]:
     # The registry is the one source of truth for implementations, built-in or
     # plugged in; imported late because stages import these config classes.
-    from stages.registry import config_classes
+    from gridsolve.stages.registry import config_classes
 
     return config_classes(kind)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas.errors import ContractError
+from gridsolve.schemas.errors import ContractError
 
 _KIND_NAMES = {"f": "float", "i": "signed int", "u": "unsigned int", "b": "bool"}
 

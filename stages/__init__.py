@@ -3,6 +3,6 @@
 Importing this package registers the built-in implementations.
 """
 
-from stages import design, load, model, normal_equations, solve, write
+from gridsolve.stages import design, load, model, normal_equations, solve, write
 
 __all__ = ["design", "load", "model", "normal_equations", "solve", "write"]

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from schemas.errors import ConfigError
-from stages.store import Store
+from gridsolve.schemas.errors import ConfigError
+from gridsolve.stages.store import Store
 
 
 @dataclass

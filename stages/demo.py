@@ -61,7 +61,10 @@ def make_cube(
             "y": ("y", np.arange(ny, dtype=np.float64), {"long_name": "row", "units": "1"}),
             "x": ("x", np.arange(nx, dtype=np.float64), {"long_name": "column", "units": "1"}),
         },
-        attrs={"title": "gridsolve demo cube", "source": f"stages.demo.make_cube(seed={seed})"},
+        attrs={
+            "title": "gridsolve demo cube",
+            "source": f"gridsolve.stages.demo.make_cube(seed={seed})",
+        },
     )
 
 

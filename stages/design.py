@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from schemas.config import HarmonicDesign, PolynomialDesign, RandomDesign, VariableDesign
-from schemas.contracts import ArraySpec
-from schemas.errors import ContractError
-from stages.context import StageContext
-from stages.registry import StageDecl, register
-from stages.store import Artifact, StageOutput
+from gridsolve.schemas.config import HarmonicDesign, PolynomialDesign, RandomDesign, VariableDesign
+from gridsolve.schemas.contracts import ArraySpec
+from gridsolve.schemas.errors import ContractError
+from gridsolve.stages.context import StageContext
+from gridsolve.stages.registry import StageDecl, register
+from gridsolve.stages.store import Artifact, StageOutput
 
 VERSION = "1"
 OUTPUTS = {"A": ArraySpec(("obs", "coef"), "f", "design matrix, float64")}

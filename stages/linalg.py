@@ -28,7 +28,7 @@ import numpy as np
 import scipy.linalg
 import torch
 
-from schemas.contracts import STATUS_CODES
+from gridsolve.schemas.contracts import STATUS_CODES
 
 EPS64 = float(np.finfo(np.float64).eps)
 OK = STATUS_CODES["ok"]

@@ -31,16 +31,16 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from schemas.artifacts import Tile
-from schemas.config import DemoLoad, NetCDFLoad, suggest
-from schemas.contracts import numeric_kind
-from schemas.errors import ContractError, GridsolveError, InputError, StageError
-from stages.context import StageContext
-from stages.demo import demo_file
-from stages.hashing import ArrayHasher, canonical_json, file_identity, hash_text
-from stages.patterns import GridPatterns
-from stages.registry import SOURCE, StageDecl, register
-from stages.store import Artifact, StageOutput
+from gridsolve.schemas.artifacts import Tile
+from gridsolve.schemas.config import DemoLoad, NetCDFLoad, suggest
+from gridsolve.schemas.contracts import numeric_kind
+from gridsolve.schemas.errors import ContractError, GridsolveError, InputError, StageError
+from gridsolve.stages.context import StageContext
+from gridsolve.stages.demo import demo_file
+from gridsolve.stages.hashing import ArrayHasher, canonical_json, file_identity, hash_text
+from gridsolve.stages.patterns import GridPatterns
+from gridsolve.stages.registry import SOURCE, StageDecl, register
+from gridsolve.stages.store import Artifact, StageOutput
 
 STAGE = "load"
 VERSION = "1"

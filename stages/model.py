@@ -37,17 +37,17 @@ from torch.func import functional_call, grad, jacrev, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from schemas.artifacts import Tile
-from schemas.config import ModelConfig, ModuleModel, MultidimLinearModel
-from schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS, ArraySpec
-from schemas.errors import ConfigError, ContractError, InputError
-from stages.context import StageContext, chunk_size, resolve_device
-from stages.hashing import canonical_json, file_digest, hash_text
-from stages.load import read_block
-from stages.models import MultidimLinear
-from stages.registry import StageDecl, register
-from stages.store import Artifact, StageOutput
-from stages.versions import module_digests
+from gridsolve.schemas.artifacts import Tile
+from gridsolve.schemas.config import ModelConfig, ModuleModel, MultidimLinearModel
+from gridsolve.schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS, ArraySpec
+from gridsolve.schemas.errors import ConfigError, ContractError, InputError
+from gridsolve.stages.context import StageContext, chunk_size, resolve_device
+from gridsolve.stages.hashing import canonical_json, file_digest, hash_text
+from gridsolve.stages.load import read_block
+from gridsolve.stages.models import MultidimLinear
+from gridsolve.stages.registry import StageDecl, register
+from gridsolve.stages.store import Artifact, StageOutput
+from gridsolve.stages.versions import module_digests
 
 VERSION = "2"
 

@@ -16,12 +16,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from schemas.config import SVDNormalEquations
-from schemas.contracts import ArraySpec
-from stages.context import StageContext
-from stages.design import conditioning
-from stages.registry import StageDecl, register
-from stages.store import Artifact, StageOutput
+from gridsolve.schemas.config import SVDNormalEquations
+from gridsolve.schemas.contracts import ArraySpec
+from gridsolve.stages.context import StageContext
+from gridsolve.stages.design import conditioning
+from gridsolve.stages.registry import StageDecl, register
+from gridsolve.stages.store import Artifact, StageOutput
 
 VERSION = "1"
 

@@ -12,7 +12,7 @@ import os
 import socket
 from pathlib import Path
 
-from schemas.errors import OutputError
+from gridsolve.schemas.errors import OutputError
 
 ALLOWED_ROOTS_ENV = "GRIDSOLVE_ALLOWED_ROOTS"
 

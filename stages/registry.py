@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.config import STAGE_KINDS, StageConfig, suggest
-from schemas.contracts import ArraySpec
-from schemas.errors import ConfigError
+from gridsolve.schemas.config import STAGE_KINDS, StageConfig, suggest
+from gridsolve.schemas.contracts import ArraySpec
+from gridsolve.schemas.errors import ConfigError
 
 log = logging.getLogger("gridsolve.registry")
 
@@ -114,7 +114,7 @@ def _load_entry_points() -> None:
         if _entry_points_loaded:
             return
         _entry_points_loaded = True
-        import stages  # noqa: F401  (built-in implementations register on import)
+        import gridsolve.stages  # noqa: F401  (built-in implementations register on import)
 
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             try:

@@ -23,15 +23,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
-from schemas.config import StageConfig
-from schemas.contracts import check_arrays
-from schemas.errors import GridsolveError, StageError
-from stages.context import StageContext
-from stages.hashing import canonical_json, stage_key, tile_key
-from stages.registry import SOURCE, StageDecl, decl_for
-from stages.store import Artifact, StageOutput, Store, TiledArtifact
-from stages.versions import code_digest, package_versions
+from gridsolve.schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
+from gridsolve.schemas.config import StageConfig
+from gridsolve.schemas.contracts import check_arrays
+from gridsolve.schemas.errors import GridsolveError, StageError
+from gridsolve.stages.context import StageContext
+from gridsolve.stages.hashing import canonical_json, stage_key, tile_key
+from gridsolve.stages.registry import SOURCE, StageDecl, decl_for
+from gridsolve.stages.store import Artifact, StageOutput, Store, TiledArtifact
+from gridsolve.stages.versions import code_digest, package_versions
 
 Ref = ArtifactRef | TiledRef
 PREPARE = ("prepare",)

@@ -28,15 +28,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from schemas.artifacts import Tile
-from schemas.config import LstsqSolve
-from schemas.contracts import STATUS_FLAGS, ArraySpec
-from schemas.errors import ContractError, NumericalError
-from stages import linalg, patterns
-from stages.context import StageContext, chunk_size, resolve_device
-from stages.load import read_block
-from stages.registry import StageDecl, register
-from stages.store import Artifact, StageOutput
+from gridsolve.schemas.artifacts import Tile
+from gridsolve.schemas.config import LstsqSolve
+from gridsolve.schemas.contracts import STATUS_FLAGS, ArraySpec
+from gridsolve.schemas.errors import ContractError, NumericalError
+from gridsolve.stages import linalg, patterns
+from gridsolve.stages.context import StageContext, chunk_size, resolve_device
+from gridsolve.stages.load import read_block
+from gridsolve.stages.registry import StageDecl, register
+from gridsolve.stages.store import Artifact, StageOutput
 
 VERSION = "1"
 STAGE = "solve/lstsq"

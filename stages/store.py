@@ -31,9 +31,9 @@ from typing import Any, BinaryIO, ClassVar, Literal
 import numpy as np
 import xxhash
 
-from schemas.artifacts import Tile
-from schemas.errors import StoreError
-from stages.paths import ensure_allowed, owner_is_dead, writer_tag
+from gridsolve.schemas.artifacts import Tile
+from gridsolve.schemas.errors import StoreError
+from gridsolve.stages.paths import ensure_allowed, owner_is_dead, writer_tag
 
 log = logging.getLogger("gridsolve.store")
 

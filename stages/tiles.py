@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas.artifacts import Tile
+from gridsolve.schemas.artifacts import Tile
 
 
 def plan_tiles(ny: int, nx: int, max_pixels: int, align_y: int, align_x: int) -> list[Tile]:

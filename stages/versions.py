@@ -8,7 +8,7 @@ Code is versioned the way Hamilton versions functions: by a digest of its
 source with comments and docstrings removed (the ``ast`` of each module,
 without line numbers), over the module that defines an implementation and
 every module it imports at module level, transitively, that is gridsolve's
-own (``stages``, ``schemas``, ``flows``), of the same top-level package as the
+own (``gridsolve.*``), of the same top-level package as the
 implementation, or local (a ``.py`` file outside the standard library and
 site-packages: a user's package). Imports inside functions are not followed:
 in gridsolve they only register implementations or break import cycles, and
@@ -37,15 +37,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.hashing import canonical_json, hash_text
+from gridsolve.stages.hashing import canonical_json, hash_text
 
 #: Distributions whose version can change the numbers gridsolve computes. h5py is
 #: left out: gridsolve reads and writes through netCDF4 (which bundles its own
 #: HDF5), never through h5py. Prefect only orchestrates.
 NUMERIC_PACKAGES = ("gridsolve", "numpy", "scipy", "torch", "xarray", "netCDF4")
 
-#: gridsolve's own top-level packages: always versioned by source, wherever installed.
-GRIDSOLVE_PACKAGES = frozenset({"flows", "schemas", "stages"})
+#: gridsolve's own top-level package: always versioned by source, wherever installed.
+GRIDSOLVE_PACKAGES = frozenset({"gridsolve"})
 
 
 # ---------------------------------------------------------------- libraries

@@ -25,15 +25,15 @@ import netCDF4
 import numpy as np
 import xarray as xr
 
-from schemas.config import NetCDFWrite
-from schemas.contracts import MODEL_STATUS_FLAGS, STATUS_FLAGS
-from schemas.errors import ContractError, GridsolveError, OutputError
-from stages.context import StageContext
-from stages.hashing import file_digest
-from stages.paths import ensure_allowed, owner_is_dead, writer_tag
-from stages.registry import SOURCE, StageDecl, register
-from stages.store import Artifact, StageOutput, TiledArtifact
-from stages.versions import package_versions
+from gridsolve.schemas.config import NetCDFWrite
+from gridsolve.schemas.contracts import MODEL_STATUS_FLAGS, STATUS_FLAGS
+from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
+from gridsolve.stages.context import StageContext
+from gridsolve.stages.hashing import file_digest
+from gridsolve.stages.paths import ensure_allowed, owner_is_dead, writer_tag
+from gridsolve.stages.registry import SOURCE, StageDecl, register
+from gridsolve.stages.store import Artifact, StageOutput, TiledArtifact
+from gridsolve.stages.versions import package_versions
 
 VERSION = "1"
 STAGE = "write/netcdf"

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import xarray as xr
 
-from flows.localserver import LocalServer, free_port, stop_group
+from gridsolve.flows.localserver import LocalServer, free_port, stop_group
 
 _PREFECT_HOME = Path(tempfile.mkdtemp(prefix="gridsolve-prefect-home-"))
 _PREFECT_PORT = free_port()
@@ -31,7 +31,7 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
 os.environ["PYTHONUNBUFFERED"] = "1"
 
-import stages  # noqa: E402, F401  (registers the built-in implementations)
+import gridsolve.stages  # noqa: E402, F401  (registers the built-in implementations)
 
 from testkit import Chain, make_ds  # noqa: E402
 
@@ -55,14 +55,14 @@ def write_cube(tmp_path: Path) -> Any:
 
 @pytest.fixture
 def store(tmp_path: Path) -> Any:
-    from stages.store import Store
+    from gridsolve.stages.store import Store
 
     return Store(tmp_path / "store")
 
 
 @pytest.fixture
 def ctx(store: Any) -> Any:
-    from stages.context import StageContext
+    from gridsolve.stages.context import StageContext
 
     return StageContext(store=store, memory_budget=256 * 2**20)
 

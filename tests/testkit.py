@@ -66,8 +66,8 @@ class Chain:
         self.runs: dict[str, Any] = {}
 
     def whole(self, kind: str, config: Any) -> Any:
-        from stages.registry import decl_for
-        from stages.runner import run_stage
+        from gridsolve.stages.registry import decl_for
+        from gridsolve.stages.runner import run_stage
 
         decl = decl_for(config)
         run = run_stage(config, {k: self.refs[k] for k in decl.inputs}, self.ctx)
@@ -76,9 +76,9 @@ class Chain:
         return self.ctx.store.get(run.ref.key)
 
     def tiled(self, kind: str, config: Any, tiles: list[Any] | None = None) -> list[Any]:
-        from schemas.artifacts import Tile, TiledRef
-        from stages.registry import decl_for
-        from stages.runner import prepare_stage, run_tile
+        from gridsolve.schemas.artifacts import Tile, TiledRef
+        from gridsolve.stages.registry import decl_for
+        from gridsolve.stages.runner import prepare_stage, run_tile
 
         decl = decl_for(config)
         prep = prepare_stage(config, {k: self.refs[k] for k in decl.inputs}, self.ctx)

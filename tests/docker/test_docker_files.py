@@ -37,7 +37,7 @@ def test_dockerfile_cpu_default_cuda_by_build_arg() -> None:
     assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in text
     assert "nvidia/cuda" in text  # the documented CUDA build
     assert "USER 1000:1000" in text  # not root
-    for pkg in ("flows", "stages", "schemas", "prefect.yaml"):
+    for pkg in ("flows", "stages", "schemas", "gridsolve", "prefect.yaml"):
         assert f"COPY {pkg}" in text or pkg in text
 
 

@@ -19,8 +19,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from flows.cli import main
-from schemas import errors
+from gridsolve.flows.cli import main
+from gridsolve.schemas import errors
 
 from testkit import make_ds
 

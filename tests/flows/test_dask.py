@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import xarray as xr
 
-from flows.pipeline import run_config
-from schemas.config import build_config
-from stages.agreement import disagreements
+from gridsolve.flows.pipeline import run_config
+from gridsolve.schemas.config import build_config
+from gridsolve.stages.agreement import disagreements
 
 from testkit import make_ds
 

@@ -24,10 +24,10 @@ from prefect.client.schemas.sorting import LogSort
 from prefect.deployments import run_deployment
 from prefect.logging.handlers import APILogWorker
 
-import flows.pipeline
-from flows.pipeline import pipeline
-from schemas.config import PipelineConfig, build_config
-from schemas.errors import StageError
+import gridsolve.flows.pipeline as pipeline_module
+from gridsolve.flows.pipeline import pipeline
+from gridsolve.schemas.config import PipelineConfig, build_config
+from gridsolve.schemas.errors import StageError
 
 from testkit import make_ds
 
@@ -138,7 +138,7 @@ def test_a_bug_keeps_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPat
                 f"failed unexpectedly: {type(exc).__name__}: {exc}", stage="load/netcdf"
             ) from exc
 
-    monkeypatch.setattr(flows.pipeline, "run_stage", broken)
+    monkeypatch.setattr(pipeline_module, "run_stage", broken)
     state = run_flow(config(tmp_path))
     assert state.is_failed() and "failed unexpectedly" in (state.message or "")
     text = "\n".join(run_logs(state.state_details.flow_run_id, "Traceback"))

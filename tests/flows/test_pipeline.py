@@ -11,8 +11,8 @@ import xarray as xr
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-from flows.pipeline import RunSummary, run_config
-from schemas.config import build_config
+from gridsolve.flows.pipeline import RunSummary, run_config
+from gridsolve.schemas.config import build_config
 
 from testkit import CONTRACT, make_ds
 

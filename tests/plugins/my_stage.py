@@ -8,9 +8,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from schemas.config import DesignConfig
-from stages.registry import StageDecl, register, unregister
-from stages.store import StageOutput
+from gridsolve.schemas.config import DesignConfig
+from gridsolve.stages.registry import StageDecl, register, unregister
+from gridsolve.stages.store import StageOutput
 
 
 class LegendreDesign(DesignConfig):

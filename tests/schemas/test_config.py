@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from schemas.config import (
+from gridsolve.schemas.config import (
     DEMO_DEFAULTS,
     LstsqSolve,
     NetCDFWrite,
@@ -18,8 +18,8 @@ from schemas.config import (
     load_config,
     parse_size,
 )
-from schemas.errors import ConfigError
-from stages.hashing import canonical_json
+from gridsolve.schemas.errors import ConfigError
+from gridsolve.stages.hashing import canonical_json
 
 
 def _write(tmp_path: Path, raw: dict) -> Path:

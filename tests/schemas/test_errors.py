@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 
-from schemas.errors import ContractError, GridsolveError, NumericalError
+from gridsolve.schemas.errors import ContractError, GridsolveError, NumericalError
 
 
 def test_render_has_every_part() -> None:
@@ -35,7 +35,7 @@ def test_pickle_round_trip_keeps_type_and_message() -> None:
 
 
 def test_only_transient_failures_are_retried() -> None:
-    from schemas.errors import ConfigError, InputError, StoreError, is_transient
+    from gridsolve.schemas.errors import ConfigError, InputError, StoreError, is_transient
 
     assert is_transient(StoreError("cache write failed", transient=True))
     assert is_transient(OSError("network file system hiccup"))

@@ -19,7 +19,7 @@ import torch
 
 
 def _cases() -> list[tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]]:
-    from schemas.config import HarmonicDesign, LstsqSolve, RandomDesign
+    from gridsolve.schemas.config import HarmonicDesign, LstsqSolve, RandomDesign
 
     return [
         # dense float32 cube, shared operator, coef > obs (minimum norm)
@@ -47,7 +47,7 @@ def _cases() -> list[tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]]
 
 
 def _tilings(ny: int, nx: int) -> dict[str, list[Any]]:
-    from schemas.artifacts import Tile
+    from gridsolve.schemas.artifacts import Tile
 
     uneven = []
     for y0, y1 in ((0, 5), (5, ny)):
@@ -69,10 +69,10 @@ def _testkit() -> tuple[Any, Any]:
 
 def compute(out: Path) -> None:
     """Save every case's outputs under every tiling to ``out`` (npz)."""
-    import stages  # noqa: F401
-    from schemas.config import MultidimLinearModel, NetCDFLoad, SVDNormalEquations
-    from stages.context import StageContext
-    from stages.store import Store
+    import gridsolve.stages  # noqa: F401
+    from gridsolve.schemas.config import MultidimLinearModel, NetCDFLoad, SVDNormalEquations
+    from gridsolve.stages.context import StageContext
+    from gridsolve.stages.store import Store
 
     Chain, make_ds = _testkit()
 

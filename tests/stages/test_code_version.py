@@ -16,31 +16,31 @@ from typing import Any
 
 import pytest
 
-from schemas.artifacts import ArtifactRef
-from schemas.config import (
+from gridsolve.schemas.artifacts import ArtifactRef
+from gridsolve.schemas.config import (
     LstsqSolve,
     ModuleModel,
     NetCDFLoad,
     PolynomialDesign,
     SVDNormalEquations,
 )
-from stages import versions
-from stages.runner import whole_key
-from stages.write import provenance
+from gridsolve.stages import versions
+from gridsolve.stages.runner import whole_key
+from gridsolve.stages.write import provenance
 
 from testkit import Chain, make_ds
 
 REPO = Path(__file__).resolve().parents[2]
 
 # Runs load → design → normal_equations → solve with the runner, no Prefect,
-# with whatever `stages` package PYTHONPATH points at; prints hits and coefficients.
+# with whatever `gridsolve` package PYTHONPATH points at; prints hits and coefficients.
 PIPELINE = """
 import json, sys
 import numpy as np
-import stages
-from schemas.config import LstsqSolve, NetCDFLoad, PolynomialDesign, SVDNormalEquations
-from stages.context import StageContext
-from stages.store import Store
+import gridsolve.stages
+from gridsolve.schemas.config import LstsqSolve, NetCDFLoad, PolynomialDesign, SVDNormalEquations
+from gridsolve.stages.context import StageContext
+from gridsolve.stages.store import Store
 from testkit import Chain
 
 chain = Chain(StageContext(store=Store(sys.argv[2])))
@@ -51,7 +51,7 @@ chain.whole("normal_equations", SVDNormalEquations())
 hits = {k: chain.runs[k].hit for k in ("load", "design", "normal_equations")}
 hits["solve"] = chain.runs["solve"][0].hit
 print(json.dumps({
-    "stages": stages.__file__,
+    "stages": gridsolve.stages.__file__,
     "hits": hits,
     "coefficients": np.asarray(tile.array("coefficients")).tolist(),
 }))
@@ -60,8 +60,12 @@ print(json.dumps({
 
 def _copy_package(dest: Path) -> Path:
     """A copy of gridsolve's packages (and the test kit) that a subprocess can import."""
+    (dest / "gridsolve").mkdir(parents=True)
+    shutil.copy(REPO / "gridsolve" / "__init__.py", dest / "gridsolve" / "__init__.py")
     for pkg in ("stages", "schemas", "flows"):
-        shutil.copytree(REPO / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            REPO / pkg, dest / "gridsolve" / pkg, ignore=shutil.ignore_patterns("__pycache__")
+        )
     shutil.copy(REPO / "tests" / "testkit.py", dest / "testkit.py")
     (dest / "pipeline.py").write_text(PIPELINE)
     return dest
@@ -79,7 +83,8 @@ def _run_copy(copy: Path, cube: Path, store: Path) -> dict[str, Any]:
     )
     assert res.returncode == 0, res.stderr[-3000:]
     out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
-    assert Path(out["stages"]).resolve().parent == (copy / "stages").resolve()  # ran the copy
+    ran = Path(out["stages"]).resolve().parent
+    assert ran == (copy / "gridsolve" / "stages").resolve()  # ran the copy
     return out
 
 
@@ -90,7 +95,7 @@ def test_editing_a_stage_source_misses_and_recomputes(tmp_path: Path) -> None:
     original = _copy_package(tmp_path / "original")
     edited = _copy_package(tmp_path / "edited")
     # Edit the copy's solve stage: coefficients come out doubled.
-    solve = edited / "stages" / "solve.py"
+    solve = edited / "gridsolve" / "stages" / "solve.py"
     text = solve.read_text()
     assert text.count("        run=run_tile,\n") == 1
     doubled = textwrap.dedent(

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages.agreement import disagreements
+from gridsolve.stages.agreement import disagreements
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,10 @@ import xarray as xr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.config import build_config
-from schemas.errors import GridsolveError
-from stages.context import StageContext
-from stages.store import Store
+from gridsolve.schemas.config import build_config
+from gridsolve.schemas.errors import GridsolveError
+from gridsolve.stages.context import StageContext
+from gridsolve.stages.store import Store
 
 from testkit import Chain
 

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.hashing import ArrayHasher, canonical_json, file_digest, hash_array, stage_key, tile_key
+from gridsolve.stages.hashing import (
+    ArrayHasher,
+    canonical_json,
+    file_digest,
+    hash_array,
+    stage_key,
+    tile_key,
+)
 
 
 def test_canonical_json_ignores_key_order() -> None:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages import linalg
-from stages.agreement import disagreements
+from gridsolve.stages import linalg
+from gridsolve.stages.agreement import disagreements
 
 
 def _agree(part: torch.Tensor, full: torch.Tensor) -> list[str]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from schemas.config import (
+from gridsolve.schemas.config import (
     LstsqSolve,
     ModuleModel,
     MultidimLinearModel,
@@ -21,10 +21,10 @@ from schemas.config import (
     RandomDesign,
     SVDNormalEquations,
 )
-from schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS
-from schemas.errors import ConfigError, ContractError, InputError
-from stages.model import build_module
-from stages.models import MultidimLinear
+from gridsolve.schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS
+from gridsolve.schemas.errors import ConfigError, ContractError, InputError
+from gridsolve.stages.model import build_module
+from gridsolve.stages.models import MultidimLinear
 
 import my_models
 from testkit import Chain, make_ds
@@ -375,7 +375,7 @@ def test_train_mode_of_a_per_sample_model_runs(chain: Chain, grid: Path) -> None
 def test_forward_vmap_cannot_batch_is_refused_at_prepare(
     chain: Chain, grid: Path, target: str
 ) -> None:
-    from stages.runner import prepare_stage
+    from gridsolve.stages.runner import prepare_stage
 
     chain.whole("load", NetCDFLoad(path=str(grid)))
     chain.whole("design", RandomDesign(coef=6))

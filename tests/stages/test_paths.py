@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import render_template
-from schemas.errors import OutputError
-from stages.paths import ALLOWED_ROOTS_ENV, ensure_allowed
-from stages.store import Store
+from gridsolve.schemas.config import render_template
+from gridsolve.schemas.errors import OutputError
+from gridsolve.stages.paths import ALLOWED_ROOTS_ENV, ensure_allowed
+from gridsolve.stages.store import Store
 
 
 def test_allowed_roots_confine_outputs_and_caches(

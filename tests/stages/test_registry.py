@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-import stages.registry as registry
-from schemas.config import DEMO_DEFAULTS, NetCDFLoad, PipelineConfig, build_config
-from schemas.errors import ConfigError
+import gridsolve.stages.registry as registry
+from gridsolve.schemas.config import DEMO_DEFAULTS, NetCDFLoad, PipelineConfig, build_config
+from gridsolve.schemas.errors import ConfigError
 
 from testkit import Chain
 

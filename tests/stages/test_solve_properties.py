@@ -17,9 +17,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.contracts import STATUS_CODES
-from stages import linalg
-from stages.linalg import Policy
+from gridsolve.schemas.contracts import STATUS_CODES
+from gridsolve.stages import linalg
+from gridsolve.stages.linalg import Policy
 
 EPS = np.finfo(np.float64).eps
 
@@ -177,10 +177,10 @@ def cubes(draw: Any) -> dict[str, Any]:
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cubes(), st.sampled_from(["float64", "float32"]))
 def test_solve_block_every_pixel_is_lstsq_or_flagged(c: dict[str, Any], dtype: str) -> None:
-    from schemas.config import LstsqSolve
-    from schemas.errors import NumericalError
-    from stages.patterns import common_patterns, full_hash, pattern_hash
-    from stages.solve import make_operator, solve_block
+    from gridsolve.schemas.config import LstsqSolve
+    from gridsolve.schemas.errors import NumericalError
+    from gridsolve.stages.patterns import common_patterns, full_hash, pattern_hash
+    from gridsolve.stages.solve import make_operator, solve_block
 
     A, B, policy = c["A"], c["B"].astype(dtype), c["policy"]
     coef = A.shape[1]

@@ -17,7 +17,7 @@ import pytest
 import xarray as xr
 from safetensors.torch import save_file
 
-from schemas.config import (
+from gridsolve.schemas.config import (
     LstsqSolve,
     MultidimLinearModel,
     NetCDFLoad,
@@ -25,11 +25,11 @@ from schemas.config import (
     RandomDesign,
     SVDNormalEquations,
 )
-from schemas.errors import InputError
-from stages.context import StageContext
-from stages.model import build_module
-from stages.runner import run_stage, with_sources
-from stages.store import Store
+from gridsolve.schemas.errors import InputError
+from gridsolve.stages.context import StageContext
+from gridsolve.stages.model import build_module
+from gridsolve.stages.runner import run_stage, with_sources
+from gridsolve.stages.store import Store
 
 from testkit import Chain, make_ds
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from schemas.errors import StoreError
-from stages.store import StageOutput, Store
+from gridsolve.schemas.errors import StoreError
+from gridsolve.stages.store import StageOutput, Store
 
 KEY = "0123456789abcdef0123456789abcdef"
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from schemas.artifacts import Tile
-from schemas.config import (
+from gridsolve.schemas.artifacts import Tile
+from gridsolve.schemas.config import (
     LstsqSolve,
     MultidimLinearModel,
     NetCDFLoad,
@@ -21,8 +21,8 @@ from schemas.config import (
     RandomDesign,
     SVDNormalEquations,
 )
-from schemas.contracts import STATUS_FLAGS
-from schemas.errors import ContractError, OutputError
+from gridsolve.schemas.contracts import STATUS_FLAGS
+from gridsolve.schemas.errors import ContractError, OutputError
 
 from testkit import CONTRACT, Chain, make_ds
 
@@ -127,7 +127,7 @@ def test_failure_mid_write_leaves_nothing(chain: Chain, write_cube: Any, tmp_pat
         chain.whole("design", RandomDesign(coef=6))
         chain.whole("normal_equations", SVDNormalEquations())
         chain.tiled("solve", LstsqSolve())
-        from schemas.config import ModuleModel
+        from gridsolve.schemas.config import ModuleModel
 
         chain.tiled(
             "model", ModuleModel(target="my_models:TinyMLP", kwargs={"n_in": 6}, input_shape=(6,))

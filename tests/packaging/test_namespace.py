@@ -1,0 +1,54 @@
+"""One import name: the wheel installs only ``gridsolve``; local folders cannot shadow it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_wheel_installs_only_the_gridsolve_top_level_name(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [wheel] = tmp_path.glob("gridsolve-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"gridsolve"}
+    # the links were followed: real files, the registry and the flow are inside
+    assert "gridsolve/stages/registry.py" in names
+    assert "gridsolve/flows/pipeline.py" in names
+    assert "gridsolve/schemas/config.py" in names
+
+
+def test_local_folders_named_like_the_packages_do_not_shadow_them(tmp_path: Path) -> None:
+    # A project folder with its own flows/, stages/ and schemas/ (and tests/ on PYTHONPATH).
+    for name in ("flows", "stages", "schemas"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise ImportError('shadowed!')\n")
+    config = tmp_path / "gridsolve.yaml"
+    config.write_text("load: {impl: demo}\ndesign: {impl: polynomial, degree: 1}\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    gridsolve = Path(sys.executable).with_name("gridsolve")
+    proc = subprocess.run(
+        [str(gridsolve), "validate", str(config)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "shadowed" not in proc.stdout + proc.stderr
