@@ -32,7 +32,7 @@ import xarray as xr
 import yaml
 
 from gridsolve.flows.localserver import LocalServer
-from gridsolve.stages.demo import make_cube, write_atomic
+from gridsolve.stages.load.demo import make_cube, write_atomic
 
 from common import machine
 

@@ -26,8 +26,8 @@ import torch
 import xarray as xr
 
 from gridsolve.schemas.config import LstsqSolve
-from gridsolve.stages.patterns import common_patterns, full_hash, pattern_hash
-from gridsolve.stages.solve import SharedOperator, make_operator, solve_block
+from gridsolve.stages.load.patterns import common_patterns, full_hash, pattern_hash
+from gridsolve.stages.solve.lstsq import SharedOperator, make_operator, solve_block
 
 from common import machine, median_seconds, table
 

@@ -188,7 +188,7 @@ def _demo_config() -> dict[str, Any]:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Write the demo cube and config under ``--out``, then run them."""
     from gridsolve.schemas.errors import OutputError
-    from gridsolve.stages.demo import SIZES, make_cube, write_atomic
+    from gridsolve.stages.load.demo import SIZES, make_cube, write_atomic
 
     out = Path(args.out).resolve()
     try:
@@ -241,7 +241,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     """Validate a config; open the input to check its structure."""
     from gridsolve.schemas.config import NetCDFLoad, config_to_yaml, load_config
-    from gridsolve.stages.load import open_netcdf
+    from gridsolve.stages.load.netcdf import open_netcdf
 
     cfg = load_config(args.config, args.overrides)
     if isinstance(cfg.load, NetCDFLoad) and "{" not in cfg.load.path:

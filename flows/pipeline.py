@@ -35,6 +35,8 @@ from pydantic import BaseModel, ConfigDict
 
 from gridsolve.flows.failures import install as install_failure_logging
 from gridsolve.flows.failures import noting_user_errors
+from gridsolve.flows.quicklook import markdown as quicklook_markdown
+from gridsolve.flows.quicklook import write_quicklook
 from gridsolve.schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
 from gridsolve.schemas.config import (
     CacheConfig,
@@ -57,11 +59,9 @@ from gridsolve.schemas.config import (
     render_template,
 )
 from gridsolve.schemas.errors import GridsolveError, is_transient
-from gridsolve.stages.context import StageContext
-from gridsolve.stages.quicklook import markdown as quicklook_markdown
-from gridsolve.stages.quicklook import write_quicklook
-from gridsolve.stages.registry import decl_for
-from gridsolve.stages.runner import (
+from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.registry import decl_for
+from gridsolve.stages.engine.runner import (
     cache_key,
     prepare_stage,
     reusable,
@@ -69,9 +69,9 @@ from gridsolve.stages.runner import (
     run_tile,
     with_sources,
 )
-from gridsolve.stages.store import Store
-from gridsolve.stages.tiles import tiles_for
-from gridsolve.stages.write import chunk_alignment
+from gridsolve.stages.engine.store import Store
+from gridsolve.stages.engine.tiles import tiles_for
+from gridsolve.stages.write.netcdf import chunk_alignment
 
 WHOLE = ("load", "design", "normal_equations")
 TILED = ("solve", "model")

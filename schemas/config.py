@@ -528,7 +528,7 @@ DEFAULT_IMPL: dict[str, str | None] = {
 def _config_classes(kind: str) -> Mapping[str, type[StageConfig]]:
     # The registry is the one source of truth for implementations, built-in or
     # plugged in; imported late because stages import these config classes.
-    from gridsolve.stages.registry import config_classes
+    from gridsolve.stages.engine.registry import config_classes
 
     return config_classes(kind)
 

@@ -1,6 +1,10 @@
 """Stage kinds and their implementations: plain functions, no Prefect.
 
-Importing this package registers the built-in implementations.
+One subpackage per stage kind (``load``, ``design``, ``normal_equations``,
+``solve``, ``model``, ``write``), each holding its implementations; the
+machinery every kind shares (runner, registry, store, hashing, versions,
+tiles, paths, the agreement bound) lives apart in ``engine``. Importing this
+package registers the built-in implementations.
 """
 
 from gridsolve.stages import design, load, model, normal_equations, solve, write

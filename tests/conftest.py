@@ -55,14 +55,14 @@ def write_cube(tmp_path: Path) -> Any:
 
 @pytest.fixture
 def store(tmp_path: Path) -> Any:
-    from gridsolve.stages.store import Store
+    from gridsolve.stages.engine.store import Store
 
     return Store(tmp_path / "store")
 
 
 @pytest.fixture
 def ctx(store: Any) -> Any:
-    from gridsolve.stages.context import StageContext
+    from gridsolve.stages.engine.context import StageContext
 
     return StageContext(store=store, memory_budget=256 * 2**20)
 

@@ -66,8 +66,8 @@ class Chain:
         self.runs: dict[str, Any] = {}
 
     def whole(self, kind: str, config: Any) -> Any:
-        from gridsolve.stages.registry import decl_for
-        from gridsolve.stages.runner import run_stage
+        from gridsolve.stages.engine.registry import decl_for
+        from gridsolve.stages.engine.runner import run_stage
 
         decl = decl_for(config)
         run = run_stage(config, {k: self.refs[k] for k in decl.inputs}, self.ctx)
@@ -77,8 +77,8 @@ class Chain:
 
     def tiled(self, kind: str, config: Any, tiles: list[Any] | None = None) -> list[Any]:
         from gridsolve.schemas.artifacts import Tile, TiledRef
-        from gridsolve.stages.registry import decl_for
-        from gridsolve.stages.runner import prepare_stage, run_tile
+        from gridsolve.stages.engine.registry import decl_for
+        from gridsolve.stages.engine.runner import prepare_stage, run_tile
 
         decl = decl_for(config)
         prep = prepare_stage(config, {k: self.refs[k] for k in decl.inputs}, self.ctx)

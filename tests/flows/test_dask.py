@@ -15,7 +15,7 @@ import xarray as xr
 
 from gridsolve.flows.pipeline import run_config
 from gridsolve.schemas.config import build_config
-from gridsolve.stages.agreement import disagreements
+from gridsolve.stages.engine.agreement import disagreements
 
 from testkit import make_ds
 

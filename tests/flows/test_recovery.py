@@ -17,7 +17,7 @@ import pytest
 import xarray as xr
 import yaml
 
-from gridsolve.stages.store import Store
+from gridsolve.stages.engine.store import Store
 
 from testkit import make_ds
 

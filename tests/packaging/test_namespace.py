@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -15,8 +16,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_wheel_installs_only_the_gridsolve_top_level_name(tmp_path: Path) -> None:
+    # Built from a copy (links kept as links) so that no build/ folder lands in the checkout.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for name in ("gridsolve", "flows", "stages", "schemas"):
+        shutil.copytree(
+            REPO / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+        )
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(src)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -28,7 +38,7 @@ def test_wheel_installs_only_the_gridsolve_top_level_name(tmp_path: Path) -> Non
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"gridsolve"}
     # the links were followed: real files, the registry and the flow are inside
-    assert "gridsolve/stages/registry.py" in names
+    assert "gridsolve/stages/engine/registry.py" in names
     assert "gridsolve/flows/pipeline.py" in names
     assert "gridsolve/schemas/config.py" in names
 

@@ -9,8 +9,8 @@ import numpy as np
 from pydantic import Field
 
 from gridsolve.schemas.config import DesignConfig
-from gridsolve.stages.registry import StageDecl, register, unregister
-from gridsolve.stages.store import StageOutput
+from gridsolve.stages.engine.registry import StageDecl, register, unregister
+from gridsolve.stages.engine.store import StageOutput
 
 
 class LegendreDesign(DesignConfig):

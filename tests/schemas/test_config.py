@@ -19,7 +19,7 @@ from gridsolve.schemas.config import (
     parse_size,
 )
 from gridsolve.schemas.errors import ConfigError
-from gridsolve.stages.hashing import canonical_json
+from gridsolve.stages.engine.hashing import canonical_json
 
 
 def _write(tmp_path: Path, raw: dict) -> Path:

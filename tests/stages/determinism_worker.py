@@ -71,8 +71,8 @@ def compute(out: Path) -> None:
     """Save every case's outputs under every tiling to ``out`` (npz)."""
     import gridsolve.stages  # noqa: F401
     from gridsolve.schemas.config import MultidimLinearModel, NetCDFLoad, SVDNormalEquations
-    from gridsolve.stages.context import StageContext
-    from gridsolve.stages.store import Store
+    from gridsolve.stages.engine.context import StageContext
+    from gridsolve.stages.engine.store import Store
 
     Chain, make_ds = _testkit()
 

@@ -24,9 +24,9 @@ from gridsolve.schemas.config import (
     PolynomialDesign,
     SVDNormalEquations,
 )
-from gridsolve.stages import versions
-from gridsolve.stages.runner import whole_key
-from gridsolve.stages.write import provenance
+from gridsolve.stages.engine import versions
+from gridsolve.stages.engine.runner import whole_key
+from gridsolve.stages.write.netcdf import provenance
 
 from testkit import Chain, make_ds
 
@@ -39,8 +39,8 @@ import json, sys
 import numpy as np
 import gridsolve.stages
 from gridsolve.schemas.config import LstsqSolve, NetCDFLoad, PolynomialDesign, SVDNormalEquations
-from gridsolve.stages.context import StageContext
-from gridsolve.stages.store import Store
+from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.store import Store
 from testkit import Chain
 
 chain = Chain(StageContext(store=Store(sys.argv[2])))
@@ -95,7 +95,7 @@ def test_editing_a_stage_source_misses_and_recomputes(tmp_path: Path) -> None:
     original = _copy_package(tmp_path / "original")
     edited = _copy_package(tmp_path / "edited")
     # Edit the copy's solve stage: coefficients come out doubled.
-    solve = edited / "gridsolve" / "stages" / "solve.py"
+    solve = edited / "gridsolve" / "stages" / "solve" / "lstsq.py"
     text = solve.read_text()
     assert text.count("        run=run_tile,\n") == 1
     doubled = textwrap.dedent(

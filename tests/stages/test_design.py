@@ -86,14 +86,14 @@ def test_generated_design_needs_numeric_obs(chain: Chain, write_cube: Any) -> No
     ],
 )
 def test_obs_axis_refuses_non_finite_values(values: np.ndarray) -> None:
-    from gridsolve.stages.design import obs_axis
+    from gridsolve.stages.design.builtin import obs_axis
 
     with pytest.raises(ContractError, match="needs a finite observation coordinate"):
         obs_axis(values, "design/polynomial")
 
 
 def test_obs_axis_days_are_unchanged_for_valid_datetimes() -> None:
-    from gridsolve.stages.design import obs_axis
+    from gridsolve.stages.design.builtin import obs_axis
 
     days, unit = obs_axis(np.array(["1970-01-02", "2021-01-01T12"], dtype="datetime64[ns]"), "d")
     np.testing.assert_array_equal(days, [1.0, 18628.5])

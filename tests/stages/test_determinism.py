@@ -4,7 +4,7 @@ Each run is a fresh process (tests/stages/determinism_worker.py) computing the
 solve and model outputs of seeded cubes under one MKL code path
 (``MKL_CBWR``: AUTO, AVX2, AVX512, COMPATIBLE) and one thread count, under two
 tilings. Outputs are compared ACROSS branches, threads and tilings against the
-stated bound (stages/agreement.py), and a repeated run of one branch in
+stated bound (stages/engine/agreement.py), and a repeated run of one branch in
 another process must be byte-identical. OpenBLAS (NumPy/SciPy factorisations)
 keeps the kernel this machine sets; only its thread count varies.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gridsolve.stages.agreement import disagreements
+from gridsolve.stages.engine.agreement import disagreements
 
 pytestmark = pytest.mark.slow
 

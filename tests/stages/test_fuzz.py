@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from gridsolve.schemas.config import build_config
 from gridsolve.schemas.errors import GridsolveError
-from gridsolve.stages.context import StageContext
-from gridsolve.stages.store import Store
+from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.store import Store
 
 from testkit import Chain
 

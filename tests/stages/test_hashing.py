@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gridsolve.stages.hashing import (
+from gridsolve.stages.engine.hashing import (
     ArrayHasher,
     canonical_json,
     file_digest,

@@ -1,7 +1,7 @@
 """Batch independence of the per-pixel numerics, within the stated agreement bound.
 
 A pixel's result must not depend on its neighbours in a tile or chunk, nor on
-the thread count, beyond the bound of stages/agreement.py: MKL rounds a
+the thread count, beyond the bound of stages/engine/agreement.py: MKL rounds a
 matrix product differently with its width on some code paths (MKL_CBWR=AVX2
 shows it), so equal bits are not asserted here. tests/stages/test_determinism.py
 runs the same checks across emulated CPUs.
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from gridsolve.stages import linalg
-from gridsolve.stages.agreement import disagreements
+from gridsolve.stages.engine.agreement import disagreements
+from gridsolve.stages.solve import linalg
 
 
 def _agree(part: torch.Tensor, full: torch.Tensor) -> list[str]:

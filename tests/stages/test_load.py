@@ -15,7 +15,7 @@ import pytest
 from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.config import NetCDFLoad
 from gridsolve.schemas.errors import ContractError, InputError
-from gridsolve.stages.load import fingerprint, infer_dims, locate, read_block, run
+from gridsolve.stages.load.netcdf import fingerprint, infer_dims, locate, read_block, run
 
 from testkit import Chain, make_ds
 
@@ -216,7 +216,7 @@ def test_cf_valid_range_masks_packed_values(
     valid: dict[str, Any],
     masked: bool,
 ) -> None:
-    monkeypatch.setattr("gridsolve.stages.load._WARNED", set())
+    monkeypatch.setattr("gridsolve.stages.load.netcdf._WARNED", set())
     path = write_cube(_packed(make_ds(), -32768, **valid), "packed.nc")
     oracle = _netcdf4_masked(path)
     assert np.isnan(oracle[3, 1, 2]) == masked and np.isnan(oracle).sum() == int(masked)

@@ -23,8 +23,8 @@ from gridsolve.schemas.config import (
 )
 from gridsolve.schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS
 from gridsolve.schemas.errors import ConfigError, ContractError, InputError
-from gridsolve.stages.model import build_module
-from gridsolve.stages.models import MultidimLinear
+from gridsolve.stages.model.multidim_linear import MultidimLinear
+from gridsolve.stages.model.vmapped import build_module
 
 import my_models
 from testkit import Chain, make_ds
@@ -375,7 +375,7 @@ def test_train_mode_of_a_per_sample_model_runs(chain: Chain, grid: Path) -> None
 def test_forward_vmap_cannot_batch_is_refused_at_prepare(
     chain: Chain, grid: Path, target: str
 ) -> None:
-    from gridsolve.stages.runner import prepare_stage
+    from gridsolve.stages.engine.runner import prepare_stage
 
     chain.whole("load", NetCDFLoad(path=str(grid)))
     chain.whole("design", RandomDesign(coef=6))

@@ -8,8 +8,8 @@ import pytest
 
 from gridsolve.schemas.config import render_template
 from gridsolve.schemas.errors import OutputError
-from gridsolve.stages.paths import ALLOWED_ROOTS_ENV, ensure_allowed
-from gridsolve.stages.store import Store
+from gridsolve.stages.engine.paths import ALLOWED_ROOTS_ENV, ensure_allowed
+from gridsolve.stages.engine.store import Store
 
 
 def test_allowed_roots_confine_outputs_and_caches(

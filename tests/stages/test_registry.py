@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import gridsolve.stages.registry as registry
+import gridsolve.stages.engine.registry as registry
 from gridsolve.schemas.config import DEMO_DEFAULTS, NetCDFLoad, PipelineConfig, build_config
 from gridsolve.schemas.errors import ConfigError
 

@@ -19,7 +19,7 @@ from gridsolve.schemas.config import (
 )
 from gridsolve.schemas.contracts import STATUS_CODES
 from gridsolve.schemas.errors import ContractError, NumericalError
-from gridsolve.stages.agreement import disagreements
+from gridsolve.stages.engine.agreement import disagreements
 
 from testkit import Chain, make_ds
 
@@ -322,7 +322,7 @@ def test_fallback_none_gives_nan_and_singular(chain: Chain, write_cube: Any) -> 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_solve_block_leaves_its_input_alone(dtype: str) -> None:
-    from gridsolve.stages.solve import make_operator, solve_block
+    from gridsolve.stages.solve.lstsq import make_operator, solve_block
 
     rng = np.random.default_rng(0)
     A = rng.standard_normal((10, 3))
@@ -469,7 +469,7 @@ def test_float64_extremes_keep_cholesky_pixels_ok(
 
 
 def test_all_zero_shared_weights_are_named_not_a_float32_problem() -> None:
-    from gridsolve.stages.solve import make_operator
+    from gridsolve.stages.solve.lstsq import make_operator
 
     A = np.vander(np.linspace(-1, 1, 10), 3, increasing=True)
     with pytest.raises(ContractError) as err:
@@ -497,7 +497,7 @@ def test_valid_range_sentinel_is_a_gap(chain: Chain, write_cube: Any) -> None:
 
 def test_solve_block_without_the_cube_maximum_scans_each_block() -> None:
     # Called directly (no load stage), the operator does not know the data's range.
-    from gridsolve.stages.solve import make_operator, solve_block
+    from gridsolve.stages.solve.lstsq import make_operator, solve_block
 
     A = np.vander(np.linspace(-1, 1, 12), 6, increasing=True)
     b = make_ds(n_obs=12, ny=4, nx=4)["signal"].values.reshape(12, -1)

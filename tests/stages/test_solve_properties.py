@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gridsolve.schemas.contracts import STATUS_CODES
-from gridsolve.stages import linalg
-from gridsolve.stages.linalg import Policy
+from gridsolve.stages.solve import linalg
+from gridsolve.stages.solve.linalg import Policy
 
 EPS = np.finfo(np.float64).eps
 
@@ -179,8 +179,8 @@ def cubes(draw: Any) -> dict[str, Any]:
 def test_solve_block_every_pixel_is_lstsq_or_flagged(c: dict[str, Any], dtype: str) -> None:
     from gridsolve.schemas.config import LstsqSolve
     from gridsolve.schemas.errors import NumericalError
-    from gridsolve.stages.patterns import common_patterns, full_hash, pattern_hash
-    from gridsolve.stages.solve import make_operator, solve_block
+    from gridsolve.stages.load.patterns import common_patterns, full_hash, pattern_hash
+    from gridsolve.stages.solve.lstsq import make_operator, solve_block
 
     A, B, policy = c["A"], c["B"].astype(dtype), c["policy"]
     coef = A.shape[1]

@@ -26,10 +26,10 @@ from gridsolve.schemas.config import (
     SVDNormalEquations,
 )
 from gridsolve.schemas.errors import InputError
-from gridsolve.stages.context import StageContext
-from gridsolve.stages.model import build_module
-from gridsolve.stages.runner import run_stage, with_sources
-from gridsolve.stages.store import Store
+from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.runner import run_stage, with_sources
+from gridsolve.stages.engine.store import Store
+from gridsolve.stages.model.vmapped import build_module
 
 from testkit import Chain, make_ds
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gridsolve.schemas.errors import StoreError
-from gridsolve.stages.store import StageOutput, Store
+from gridsolve.stages.engine.store import StageOutput, Store
 
 KEY = "0123456789abcdef0123456789abcdef"
 

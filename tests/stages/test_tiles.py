@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gridsolve.stages.tiles import plan_tiles
+from gridsolve.stages.engine.tiles import plan_tiles
 
 
 @pytest.mark.parametrize(

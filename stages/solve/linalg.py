@@ -122,7 +122,7 @@ def svd_operator(
 # which other pixels share its tile or chunk beyond the rounding of the matrix
 # products: MKL picks kernels by the product's width and the CPU's
 # instructions (on its AVX2 path the last bits change with the width). That is
-# the agreement bound of stages/agreement.py, not equal bits; see
+# the agreement bound of stages/engine/agreement.py, not equal bits; see
 # tests/stages/test_linalg.py and test_determinism.py. Very narrow products (a
 # single column takes a matrix-vector path that rounds differently again) are
 # padded to MIN_WIDTH so that small tiles stay close to large ones.

@@ -28,12 +28,12 @@ import xarray as xr
 from gridsolve.schemas.config import NetCDFWrite
 from gridsolve.schemas.contracts import MODEL_STATUS_FLAGS, STATUS_FLAGS
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
-from gridsolve.stages.context import StageContext
-from gridsolve.stages.hashing import file_digest
-from gridsolve.stages.paths import ensure_allowed, owner_is_dead, writer_tag
-from gridsolve.stages.registry import SOURCE, StageDecl, register
-from gridsolve.stages.store import Artifact, StageOutput, TiledArtifact
-from gridsolve.stages.versions import package_versions
+from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.hashing import file_digest
+from gridsolve.stages.engine.paths import ensure_allowed, owner_is_dead, writer_tag
+from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
+from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
+from gridsolve.stages.engine.versions import package_versions
 
 VERSION = "1"
 STAGE = "write/netcdf"

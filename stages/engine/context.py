@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gridsolve.schemas.errors import ConfigError
-from gridsolve.stages.store import Store
+from gridsolve.stages.engine.store import Store
 
 
 @dataclass

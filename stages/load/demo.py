@@ -63,7 +63,7 @@ def make_cube(
         },
         attrs={
             "title": "gridsolve demo cube",
-            "source": f"gridsolve.stages.demo.make_cube(seed={seed})",
+            "source": f"gridsolve.stages.load.demo.make_cube(seed={seed})",
         },
     )
 

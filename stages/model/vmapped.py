@@ -41,13 +41,13 @@ from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.config import ModelConfig, ModuleModel, MultidimLinearModel
 from gridsolve.schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS, ArraySpec
 from gridsolve.schemas.errors import ConfigError, ContractError, InputError
-from gridsolve.stages.context import StageContext, chunk_size, resolve_device
-from gridsolve.stages.hashing import canonical_json, file_digest, hash_text
-from gridsolve.stages.load import read_block
-from gridsolve.stages.models import MultidimLinear
-from gridsolve.stages.registry import StageDecl, register
-from gridsolve.stages.store import Artifact, StageOutput
-from gridsolve.stages.versions import module_digests
+from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device
+from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
+from gridsolve.stages.engine.registry import StageDecl, register
+from gridsolve.stages.engine.store import Artifact, StageOutput
+from gridsolve.stages.engine.versions import module_digests
+from gridsolve.stages.load.netcdf import read_block
+from gridsolve.stages.model.multidim_linear import MultidimLinear
 
 VERSION = "2"
 

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gridsolve.stages.hashing import canonical_json, hash_text
+from gridsolve.stages.engine.hashing import canonical_json, hash_text
 
 #: Distributions whose version can change the numbers gridsolve computes. h5py is
 #: left out: gridsolve reads and writes through netCDF4 (which bundles its own

@@ -1,7 +1,7 @@
 """One registry per stage kind: implementation name → declaration.
 
 A declaration ties a pure function to its kind, implementation name, version
-(an override: keys already cover the code's source, see ``stages/versions.py``),
+(an override: keys already cover the code's source, see ``stages/engine/versions.py``),
 config model and output contract. Built-in
 implementations register at import of their module; third-party packages
 register with :func:`register` or through the ``gridsolve.stages`` entry-point

@@ -32,11 +32,12 @@ from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.config import LstsqSolve
 from gridsolve.schemas.contracts import STATUS_FLAGS, ArraySpec
 from gridsolve.schemas.errors import ContractError, NumericalError
-from gridsolve.stages import linalg, patterns
-from gridsolve.stages.context import StageContext, chunk_size, resolve_device
-from gridsolve.stages.load import read_block
-from gridsolve.stages.registry import StageDecl, register
-from gridsolve.stages.store import Artifact, StageOutput
+from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device
+from gridsolve.stages.engine.registry import StageDecl, register
+from gridsolve.stages.engine.store import Artifact, StageOutput
+from gridsolve.stages.load import patterns
+from gridsolve.stages.load.netcdf import read_block
+from gridsolve.stages.solve import linalg
 
 VERSION = "1"
 STAGE = "solve/lstsq"

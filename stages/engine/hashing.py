@@ -4,7 +4,7 @@ Keys are xxh3-128 hex digests. The load stage hashes data content; every later
 key is a Merkle chain: the hash of (kind, impl, version, canonical JSON of the
 result-affecting config, keys of the inputs, digests of outside content, the
 digest of the code that runs and the versions of the libraries that can change
-numbers; see ``stages/versions.py``). No array is hashed twice and nothing is
+numbers; see ``stages/engine/versions.py``). No array is hashed twice and nothing is
 pickled to be hashed.
 """
 

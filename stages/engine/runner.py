@@ -27,11 +27,11 @@ from gridsolve.schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
 from gridsolve.schemas.config import StageConfig
 from gridsolve.schemas.contracts import check_arrays
 from gridsolve.schemas.errors import GridsolveError, StageError
-from gridsolve.stages.context import StageContext
-from gridsolve.stages.hashing import canonical_json, stage_key, tile_key
-from gridsolve.stages.registry import SOURCE, StageDecl, decl_for
-from gridsolve.stages.store import Artifact, StageOutput, Store, TiledArtifact
-from gridsolve.stages.versions import code_digest, package_versions
+from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.hashing import canonical_json, stage_key, tile_key
+from gridsolve.stages.engine.registry import SOURCE, StageDecl, decl_for
+from gridsolve.stages.engine.store import Artifact, StageOutput, Store, TiledArtifact
+from gridsolve.stages.engine.versions import code_digest, package_versions
 
 Ref = ArtifactRef | TiledRef
 PREPARE = ("prepare",)
@@ -45,7 +45,7 @@ def code_version(decl: StageDecl) -> str:
     """Digest of the source of the code a stage implementation runs.
 
     The modules defining its functions and config, and the runner, with what
-    they import (see ``stages/versions.py``). Read from disk when a file's
+    they import (see ``stages/engine/versions.py``). Read from disk when a file's
     size or mtime changed, so an edited stage gets new keys.
     """
     fns = (decl.run, decl.prepare, decl.fingerprint, decl.verify, decl.locate, decl.config)

@@ -35,12 +35,12 @@ from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.config import DemoLoad, NetCDFLoad, suggest
 from gridsolve.schemas.contracts import numeric_kind
 from gridsolve.schemas.errors import ContractError, GridsolveError, InputError, StageError
-from gridsolve.stages.context import StageContext
-from gridsolve.stages.demo import demo_file
-from gridsolve.stages.hashing import ArrayHasher, canonical_json, file_identity, hash_text
-from gridsolve.stages.patterns import GridPatterns
-from gridsolve.stages.registry import SOURCE, StageDecl, register
-from gridsolve.stages.store import Artifact, StageOutput
+from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.hashing import ArrayHasher, canonical_json, file_identity, hash_text
+from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
+from gridsolve.stages.engine.store import Artifact, StageOutput
+from gridsolve.stages.load.demo import demo_file
+from gridsolve.stages.load.patterns import GridPatterns
 
 STAGE = "load"
 VERSION = "1"

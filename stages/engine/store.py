@@ -33,7 +33,7 @@ import xxhash
 
 from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.errors import StoreError
-from gridsolve.stages.paths import ensure_allowed, owner_is_dead, writer_tag
+from gridsolve.stages.engine.paths import ensure_allowed, owner_is_dead, writer_tag
 
 log = logging.getLogger("gridsolve.store")
 

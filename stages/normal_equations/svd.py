@@ -18,10 +18,10 @@ import numpy as np
 
 from gridsolve.schemas.config import SVDNormalEquations
 from gridsolve.schemas.contracts import ArraySpec
-from gridsolve.stages.context import StageContext
-from gridsolve.stages.design import conditioning
-from gridsolve.stages.registry import StageDecl, register
-from gridsolve.stages.store import Artifact, StageOutput
+from gridsolve.stages.design.builtin import conditioning
+from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.registry import StageDecl, register
+from gridsolve.stages.engine.store import Artifact, StageOutput
 
 VERSION = "1"
 

@@ -16,9 +16,9 @@ import numpy as np
 from gridsolve.schemas.config import HarmonicDesign, PolynomialDesign, RandomDesign, VariableDesign
 from gridsolve.schemas.contracts import ArraySpec
 from gridsolve.schemas.errors import ContractError
-from gridsolve.stages.context import StageContext
-from gridsolve.stages.registry import StageDecl, register
-from gridsolve.stages.store import Artifact, StageOutput
+from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.registry import StageDecl, register
+from gridsolve.stages.engine.store import Artifact, StageOutput
 
 VERSION = "1"
 OUTPUTS = {"A": ArraySpec(("obs", "coef"), "f", "design matrix, float64")}

@@ -1,0 +1,1 @@
+"""Machinery shared by every stage kind: runner, registry, store, hashing, versions, tiles."""

@@ -1,0 +1,5 @@
+"""The ``load`` kind: open an input cube, check its contract, hash its content."""
+
+from gridsolve.stages.load import netcdf
+
+__all__ = ["netcdf"]

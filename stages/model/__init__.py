@@ -1,0 +1,5 @@
+"""The ``model`` kind: a single-sample PyTorch model at every pixel, per-sample gradients."""
+
+from gridsolve.stages.model import vmapped
+
+__all__ = ["vmapped"]

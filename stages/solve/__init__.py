@@ -1,0 +1,5 @@
+"""The ``solve`` kind: coefficients and diagnostics at every pixel, tile by tile."""
+
+from gridsolve.stages.solve import lstsq
+
+__all__ = ["lstsq"]
