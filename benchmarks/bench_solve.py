@@ -167,6 +167,8 @@ def case_masked(n: int, repeats: int, xr_repeats: int) -> None:
     xr_s = float(np.median(xr_runs))
     gaps = grid_gap_patterns(B)
     stage_s = median_seconds(lambda: stages_once(A, B, config, gaps), repeats)
+    config_se = config.model_copy(update={"uncertainty": "stderr"})
+    stage_se = median_seconds(lambda: stages_once(A, B, config_se, gaps), repeats)
     _, out = stages_once(A, B, config, gaps)
     floor_s, floor_new = floor_seconds(B, out, repeats)
     C = out.arrays["coefficients"]
@@ -191,6 +193,11 @@ def case_masked(n: int, repeats: int, xr_repeats: int) -> None:
                     stage_s,
                     f"max rel. diff: xarray {rel_xr:.1e}, lstsq (300 px) {rel_ls:.1e}",
                 ),
+                (
+                    "gridsolve, solve.uncertainty: stderr",
+                    stage_se,
+                    f"{stage_se / stage_s:.2f}× without it (target ≤ 1.3×)",
+                ),
                 ("floor: copy in+out, paged-in", floor_s, f"{nbytes(B, out) / 1e6:.0f} MB"),
                 ("floor: copy in+out, np.copy", floor_new, "allocates, like any stage"),
             ],
@@ -199,6 +206,8 @@ def case_masked(n: int, repeats: int, xr_repeats: int) -> None:
         )
     )
     print(f"paths: {out.meta['paths']}; status: {out.meta['status_counts']}")
+    ratio = stage_se / stage_s
+    print(f"stderr / without = {ratio:.2f}× (target ≤ 1.3×: {verdict(ratio <= 1.3)})")
     speed = xr_s / stage_s
     print(
         f"xarray / gridsolve = {speed:.1f}× (target ≥ 30×: {'met' if speed >= 30 else 'NOT met'})"

@@ -178,9 +178,26 @@ def _demo_config() -> dict[str, Any]:
     return {
         "load": {"impl": "netcdf", "path": "demo.nc", "variable": "signal"},
         "design": {"impl": "random", "coef": 100, "seed": 0},
-        "solve": {"impl": "lstsq", "policy": "minnorm", "dtype": "float32"},
+        "solve": {
+            "impl": "lstsq",
+            "policy": "minnorm",
+            "dtype": "float32",
+            "uncertainty": "stderr",
+        },
         "model": {"impl": "multidim_linear", "input_dim": 10, "hidden_dim": 10, "output_dim": 4},
         "write": {"impl": "netcdf", "path": "output.nc"},
+        "cache": {"root": ".cache"},
+    }
+
+
+def _trend_config() -> dict[str, Any]:
+    """The demo cube fitted with a trend design, standard errors on (README's worked example)."""
+    return {
+        "load": {"impl": "netcdf", "path": "demo.nc", "variable": "signal"},
+        "design": {"impl": "harmonic", "harmonics": 1},
+        "solve": {"impl": "lstsq", "uncertainty": "stderr"},
+        "model": {"impl": "multidim_linear", "input_dim": 2, "hidden_dim": 2, "output_dim": 1},
+        "write": {"impl": "netcdf", "path": "trend.nc"},
         "cache": {"root": ".cache"},
     }
 
@@ -209,7 +226,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "# gridsolve demo config: edit and rerun with `gridsolve run gridsolve.yaml`\n"
         + yaml.safe_dump(_demo_config(), sort_keys=False)
     )
-    print(f"demo cube {cube} ({args.size}), config {config}")
+    trend = out / "trend.yaml"
+    trend.write_text(
+        "# Is the trend significant? `gridsolve run trend.yaml` (README, uncertainty)\n"
+        + yaml.safe_dump(_trend_config(), sort_keys=False)
+    )
+    print(f"demo cube {cube} ({args.size}), config {config} (and {trend.name})")
     return _run(config, args.overrides, args.debug)
 
 
@@ -224,11 +246,8 @@ def _run(config_path: Path, overrides: Sequence[str], debug: bool = False) -> in
     summary = run_config(cfg)
     print(summary.table())
     print(f"tiles: {summary.tiles}")
-    if summary.status_counts:
-        print(
-            "pixel status: "
-            + ", ".join(f"{k} {v}" for k, v in sorted(summary.status_counts.items()))
-        )
+    for kind, counts in summary.counts.items():
+        print(f"status of {kind}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     print(f"output: {summary.output}")
     return 0
 

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from functools import partial
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -60,6 +59,14 @@ from gridsolve.schemas.config import (
 )
 from gridsolve.schemas.errors import GridsolveError, is_transient
 from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.plan import (
+    Plan,
+    Step,
+    build_plan,
+    summed_counts,
+    tile_inputs,
+    tiled_ref,
+)
 from gridsolve.stages.engine.registry import decl_for
 from gridsolve.stages.engine.runner import (
     cache_key,
@@ -70,11 +77,7 @@ from gridsolve.stages.engine.runner import (
     with_sources,
 )
 from gridsolve.stages.engine.store import Store
-from gridsolve.stages.engine.tiles import tiles_for
-from gridsolve.stages.write.netcdf import chunk_alignment
 
-WHOLE = ("load", "design", "normal_equations")
-TILED = ("solve", "model")
 PREFECT_RECORDS = "prefect"
 
 Ref = ArtifactRef | TiledRef
@@ -213,7 +216,8 @@ class RunSummary(BaseModel):
 
     stages: list[StageSummary]
     output: str
-    status_counts: dict[str, int]
+    #: per tiled stage that declares counts: e.g. pixel statuses, summed over tiles
+    counts: dict[str, dict[str, int]]
     tiles: int
     flow_run_id: str | None = None
 
@@ -275,10 +279,9 @@ def template_values() -> dict[str, str]:
 
 
 def render_paths(cfg: PipelineConfig, values: Mapping[str, str]) -> PipelineConfig:
-    """``cfg`` with placeholders in load.path and write.path filled in."""
+    """``cfg`` with placeholders in every stage's ``path`` filled in."""
     updates: dict[str, StageConfig] = {}
-    for kind in ("load", "write"):
-        conf = getattr(cfg, kind)
+    for kind, conf in cfg.stage_configs().items():
         path = getattr(conf, "path", None)
         if isinstance(path, str) and "{" in path:
             updates[kind] = conf.model_copy(update={"path": render_template(path, values)})
@@ -286,23 +289,6 @@ def render_paths(cfg: PipelineConfig, values: Mapping[str, str]) -> PipelineConf
 
 
 # ---------------------------------------------------------------- flow
-def run_meta(ref: Ref) -> dict[str, Any]:
-    """Metadata of a whole stage's artifact (of the prepare step for tiled stages)."""
-    return ref.prepared.meta if isinstance(ref, TiledRef) else ref.meta
-
-
-def _tile_refs(
-    decl_inputs: Sequence[str],
-    refs: Mapping[str, Ref],
-    tile_runs: Mapping[str, dict[int, ArtifactRef]],
-    tile: Tile,
-) -> dict[str, Ref]:
-    out: dict[str, Ref] = {}
-    for k in decl_inputs:
-        out[k] = tile_runs[k][tile.index] if k in tile_runs else refs[k]
-    return out
-
-
 class PreparedStage(BaseModel):
     """The once-per-stage part of a tiled stage, as run (or reused) by the flow."""
 
@@ -314,32 +300,13 @@ class PreparedStage(BaseModel):
 
 
 class TilePhase(BaseModel):
-    """What the tiled stages produced: their refs, summary rows and pixel status counts."""
+    """What the tiled stages produced: their refs, summary rows and summed tile counts."""
 
     model_config = ConfigDict(frozen=True)
 
     refs: dict[str, TiledRef]
     rows: list[StageSummary]
-    status_counts: dict[str, int]
-
-
-def _submit_tile(
-    task_fn: Any,
-    kind: str,
-    conf: StageConfig,
-    decl_inputs: Sequence[str],
-    refs: Mapping[str, Ref],
-    tile_runs: Mapping[str, dict[int, ArtifactRef]],
-    prepared: ArtifactRef,
-    cache: CacheConfig,
-    execution: ExecutionConfig,
-    tile: Tile,
-) -> PrefectFuture[StageRun]:
-    named = task_fn.with_options(task_run_name=f"{kind}-tile-{tile.index}")
-    future: PrefectFuture[StageRun] = named.submit(
-        conf, _tile_refs(decl_inputs, refs, tile_runs, tile), prepared, tile, cache, execution
-    )
-    return future
+    counts: dict[str, dict[str, int]]
 
 
 def completed_in_window(
@@ -363,17 +330,23 @@ def completed_in_window(
         yield tile, fut
 
 
+def _plan(cfg: PipelineConfig) -> Plan:
+    return build_plan(cfg.stage_configs())
+
+
 def run_tiles(
     cfg: PipelineConfig,
     refs: dict[str, Ref],
     prepared: dict[str, PreparedStage],
     tiles: list[Tile],
 ) -> TilePhase:
-    """Submit every tile of the tiled stages to the current task runner and collect them."""
+    """Submit every tile of the plan's tiled stages to the current task runner and collect them."""
     logger = get_run_logger()
+    plan = _plan(cfg)
     refs = dict(refs)
     out_refs: dict[str, TiledRef] = {}
     rows: list[StageSummary] = []
+    counts: dict[str, dict[str, int]] = {}
     cache, execution = cfg.cache, cfg.execution
     opts = task_options(cache)
     # Threads: max_workers tiles at a time. Dask: each worker runs one tile at a time,
@@ -383,64 +356,52 @@ def run_tiles(
         if execution.runner == "threads"
         else max(64, 4 * execution.dask_workers)
     )
-    progress = create_progress_artifact(progress=0.0, description="tiles done (solve and model)")
+    names = " and ".join(s.kind for s in plan.tiled)
+    progress = create_progress_artifact(progress=0.0, description=f"tiles done ({names})")
     assert isinstance(progress, UUID)
-    total = 2 * len(tiles)
+    total = len(plan.tiled) * len(tiles)
     done = 0
-    tile_runs: dict[str, dict[int, ArtifactRef]] = {}
-    status_counts: dict[str, int] = {}
-    for kind in TILED:
-        conf = getattr(cfg, kind)
-        decl = decl_for(conf)
-        prep = prepared[kind]
-        prep_run, prep_hit, prep_seconds = prep.run, prep.hit, prep.seconds
+    tile_refs: dict[str, dict[int, ArtifactRef]] = {}
+    for step in plan.tiled:
+        prep = prepared[step.kind]
         t0 = time.perf_counter()
-        submit = partial(
-            _submit_tile,
-            tile_task.with_options(name=f"{kind}-tile", **opts),
-            kind,
-            conf,
-            decl.inputs,
-            refs,
-            tile_runs,
-            prep_run.ref,
-            cache,
-            execution,
-        )
-        hits: list[bool] = [prep_hit]
+        task_fn = tile_task.with_options(name=f"{step.kind}-tile", **opts)
+
+        def submit(
+            tile: Tile, step: Step = step, task_fn: Any = task_fn, prep: PreparedStage = prep
+        ) -> Any:
+            named = task_fn.with_options(task_run_name=f"{step.kind}-tile-{tile.index}")
+            return named.submit(
+                step.config,
+                tile_inputs(step, refs, tile_refs, tile),
+                prep.run.ref,
+                tile,
+                cache,
+                execution,
+            )
+
+        hits: list[bool] = [prep.hit]
         by_index: dict[int, ArtifactRef] = {}
         for tile, fut in completed_in_window(tiles, submit, window):
             run = fut.result()
             by_index[tile.index] = run.ref
             hits.append(_hit(fut.state, run))
-            if kind == "solve":
-                for name, n in run.ref.meta.get("status_counts", {}).items():
-                    status_counts[name] = status_counts.get(name, 0) + int(n)
             done += 1
             update_progress_artifact(progress, progress=100.0 * done / total)
             if total > 2 and (done % max(1, total // 20) == 0 or done == total):
-                logger.info("tiles %d/%d done (%s)", done, total, kind)
-        tile_runs[kind] = by_index
-        refs[kind] = out_refs[kind] = TiledRef(
-            kind=kind,
-            impl=conf.impl,
-            key=prep_run.ref.meta["_stage_key"],
-            prepared=prep_run.ref,
-            tiles=tuple(by_index[t.index] for t in tiles),
+                logger.info("tiles %d/%d done (%s)", done, total, step.kind)
+        tile_refs[step.kind] = by_index
+        refs[step.kind] = out_refs[step.kind] = tiled_ref(
+            step, prep.run.ref, [by_index[t.index] for t in tiles]
         )
+        stage_counts = summed_counts(step, [by_index[t.index].meta for t in tiles])
+        if stage_counts:
+            counts[step.kind] = stage_counts
         pixels = sum(t.pixels for t in tiles)
-        rows.append(
-            _row(
-                kind,
-                conf.impl,
-                refs[kind].key,
-                hits,
-                prep_seconds + time.perf_counter() - t0,
-                pixels,
-            )
-        )
-        logger.info("%s/%s %s over %d tile(s)", kind, conf.impl, rows[-1].cache, len(tiles))
-    return TilePhase(refs=out_refs, rows=rows, status_counts=status_counts)
+        seconds = prep.seconds + time.perf_counter() - t0
+        rows.append(_row(step.kind, step.decl.impl, refs[step.kind].key, hits, seconds, pixels))
+        logger.info("%s %s over %d tile(s)", step.name, rows[-1].cache, len(tiles))
+    return TilePhase(refs=out_refs, rows=rows, counts=counts)
 
 
 @flow(name="gridsolve-tiles", persist_result=False, validate_parameters=False)
@@ -483,71 +444,55 @@ def dask_runner(execution: ExecutionConfig) -> Any:
     )
 
 
+def _whole(
+    step: Step, refs: Mapping[str, Ref], cfg: PipelineConfig, opts: Mapping[str, Any]
+) -> tuple[StageRun, StageSummary]:
+    """Run (or reuse) one whole stage as a task; its run and summary row."""
+    cache, execution = cfg.cache, cfg.execution
+    t0 = time.perf_counter()
+    state = stage_task.with_options(name=step.kind, **opts)(
+        step.config, {k: refs[k] for k in step.decl.inputs}, cache, execution, return_state=True
+    )
+    # A Prefect-cached result names the files of the run that made it: use this run's.
+    run: StageRun = with_sources(step.config, state.result(), _ctx(cache, execution))
+    row = _row(
+        step.kind, step.decl.impl, run.ref.key, [_hit(state, run)], time.perf_counter() - t0, 0
+    )
+    return run, row
+
+
 def run_pipeline(cfg: PipelineConfig) -> RunSummary:
-    """Run every stage of ``cfg`` inside the current flow run; returns the summary."""
+    """Run every stage of ``cfg``'s plan inside the current flow run; returns the summary."""
     logger = get_run_logger()
     cfg = render_paths(cfg, template_values())
+    plan = _plan(cfg)
     opts = task_options(cfg.cache)
     cache, execution = cfg.cache, cfg.execution
     rows: list[StageSummary] = []
     refs: dict[str, Ref] = {}
 
-    for kind in WHOLE:
-        conf = getattr(cfg, kind)
-        decl = decl_for(conf)
-        t0 = time.perf_counter()
-        state = stage_task.with_options(name=kind, **opts)(
-            conf, {k: refs[k] for k in decl.inputs}, cache, execution, return_state=True
-        )
-        # A Prefect-cached result names the files of the run that made it: use this run's.
-        run: StageRun = with_sources(conf, state.result(), _ctx(cache, execution))
-        refs[kind] = run.ref
-        rows.append(
-            _row(kind, conf.impl, run.ref.key, [_hit(state, run)], time.perf_counter() - t0, 0)
-        )
-        logger.info("%s/%s %s (key %s)", kind, conf.impl, rows[-1].cache, run.ref.key[:12])
-        if kind == "design":
-            m = run.ref.meta
-            logger.info(
-                "design: %d coefficients, rank %d, condition number %.3g",
-                m["coef"],
-                m["rank"],
-                m["cond"],
-            )
+    for step in plan.before:
+        run, row = _whole(step, refs, cfg, opts)
+        refs[step.kind] = run.ref
+        rows.append(row)
+        logger.info("%s %s (key %s)", step.name, row.cache, run.ref.key[:12])
+        if step.decl.describe is not None:
+            logger.info("%s: %s", step.kind, step.decl.describe(run.ref.meta))
 
     prepared: dict[str, PreparedStage] = {}
-    for kind in TILED:
-        conf = getattr(cfg, kind)
-        decl = decl_for(conf)
+    for step in plan.tiled:
         t0 = time.perf_counter()
-        state = prepare_task.with_options(name=f"{kind}-prepare", **opts)(
-            conf, {k: refs[k] for k in decl.inputs}, cache, execution, return_state=True
+        state = prepare_task.with_options(name=f"{step.kind}-prepare", **opts)(
+            step.config, {k: refs[k] for k in step.decl.inputs}, cache, execution, return_state=True
         )
-        run = with_sources(conf, state.result(), _ctx(cache, execution))
-        prepared[kind] = PreparedStage(
+        run = with_sources(step.config, state.result(), _ctx(cache, execution))
+        prepared[step.kind] = PreparedStage(
             run=run, hit=_hit(state, run), seconds=time.perf_counter() - t0
         )
-        refs[kind] = TiledRef(
-            kind=kind, impl=conf.impl, key=run.ref.meta["_stage_key"], prepared=run.ref, tiles=()
-        )
+        refs[step.kind] = tiled_ref(step, run.ref)
 
-    load_meta = run_meta(refs["load"])
-    coef = int(run_meta(refs["design"])["coef"])
-    write_conf = cfg.write
-    align = (
-        chunk_alignment(write_conf, load_meta["y_dim"], load_meta["x_dim"])
-        if isinstance(write_conf, NetCDFWrite)
-        else (1, 1)
-    )
-    tiles = tiles_for(
-        load_meta,
-        coef,
-        prepared["model"].run.ref.meta,
-        execution.memory_budget_bytes,
-        execution.tile_pixels,
-        align,
-    )
-    logger.info("grid %d×%d in %d tile(s)", load_meta["ny"], load_meta["nx"], len(tiles))
+    tiles = plan.tiles(refs, execution.memory_budget_bytes, execution.tile_pixels)
+    logger.info("%d pixels in %d tile(s)", sum(t.pixels for t in tiles), len(tiles))
     if execution.runner == "dask":
         phase = tiles_flow.with_options(task_runner=dask_runner(execution))(
             cfg, refs, prepared, tiles
@@ -556,24 +501,30 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         phase = run_tiles(cfg, refs, prepared, tiles)
     refs.update(phase.refs)
     rows.extend(phase.rows)
-    status_counts = phase.status_counts
 
-    conf = cfg.write
-    decl = decl_for(conf)
-    t0 = time.perf_counter()
-    state = stage_task.with_options(name="write", **opts)(
-        conf, {k: refs[k] for k in decl.inputs}, cache, execution, return_state=True
-    )
-    run = state.result()
-    rows.append(
-        _row("write", conf.impl, run.ref.key, [_hit(state, run)], time.perf_counter() - t0, 0)
-    )
+    output = ""
+    for step in plan.after:
+        run, row = _whole(step, refs, cfg, opts)
+        refs[step.kind] = run.ref
+        rows.append(row)
+        output = str(run.ref.meta.get("path", output))
     summary = RunSummary(
         stages=rows,
-        output=str(run.ref.meta.get("path", "")),
-        status_counts=status_counts,
+        output=output,
+        counts=phase.counts,
         tiles=len(tiles),
         flow_run_id=str(rt_flow_run.id) if rt_flow_run.id else None,
+    )
+    _publish(summary)
+    return summary
+
+
+def _publish(summary: RunSummary) -> None:
+    """The run's artifacts in Prefect: the summary table and the quick-look picture."""
+    logger = get_run_logger()
+    counts = "; ".join(
+        f"{kind}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+        for kind, c in summary.counts.items()
     )
     create_table_artifact(
         table=[
@@ -585,11 +536,10 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
                 "seconds": float(r.seconds),
                 "pixels_per_second": float(r.pixels_per_second),
             }
-            for r in rows
+            for r in summary.stages
         ],
         key="gridsolve-summary",
-        description=f"gridsolve run summary: output {summary.output}; "
-        f"status counts {status_counts}",
+        description=f"gridsolve run summary: output {summary.output}; {counts}",
     )
     logger.info("wrote %s", summary.output)
     try:
@@ -601,7 +551,6 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         )
     except Exception as exc:  # a picture must never fail a run that wrote its output
         logger.warning("quick-look picture not made: %s", exc)
-    return summary
 
 
 @flow(name="gridsolve", persist_result=False, validate_parameters=True, log_prints=True)

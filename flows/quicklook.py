@@ -29,7 +29,8 @@ def quicklook_png(output: str | Path) -> bytes:
     with xr.open_dataset(output) as ds:
         coef = _thin(np.asarray(ds["coefficients"].isel(coef=0).values, dtype=np.float64))
         rms = _thin(np.asarray(ds["residual_rms"].values, dtype=np.float64))
-        name = str(ds["coef"].values[0]) if "coef" in ds.coords else "0"
+        labels = ds["coef_name"] if "coef_name" in ds.coords else ds.get("coef")
+        name = str(labels.values[0]) if labels is not None else "0"
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.6), dpi=80, constrained_layout=True)
     for ax, data, title in ((axes[0], coef, f"coefficient {name}"), (axes[1], rms, "residual RMS")):
         im = ax.imshow(data, origin="lower", interpolation="nearest", cmap="viridis")

@@ -5,7 +5,7 @@ Each stage kind (``load``, ``design``, ``normal_equations``, ``solve``,
 selects it and validation then uses that implementation's model, so a typo in a
 field or an unknown ``impl`` is reported before anything runs. The models of
 the built-in implementations live here; plugins bring their own (see
-``stages.registry.register``).
+``gridsolve.stages.engine.registry.register`` and ``gridsolve.schemas.catalog``).
 
 Fields built with :func:`speed_field` change only how fast or where a stage
 runs (device, chunk sizes); they are left out of cache keys. Fields built with
@@ -33,6 +33,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError, core_schema
 
+from gridsolve.schemas import catalog
 from gridsolve.schemas.errors import ConfigError
 
 STAGE_KINDS: tuple[str, ...] = (
@@ -133,6 +134,15 @@ class StageConfig(BaseModel):
         exclude = set(self.speed_fields()) | set(self.content_keyed_fields())
         return self.model_dump(mode="json", exclude=exclude)
 
+    def cross_stage(self, stages: Mapping[str, StageConfig]) -> list[str]:
+        """What this config needs from the other stages' configs and lacks (sentences with fixes).
+
+        ``stages`` holds every stage's config by kind. Implementations override
+        it; a rule lives with the config it belongs to, never in a list that
+        names implementations.
+        """
+        return []
+
     def input_files(self) -> dict[str, str]:
         """Absolute path of each input file this config names (the paths used by a run)."""
         out = {}
@@ -217,6 +227,12 @@ class VariableDesign(DesignConfig):
     model_config = ConfigDict(title="Design from a variable")
 
     impl: Literal["variable"] = "variable"
+
+    def cross_stage(self, stages: Mapping[str, StageConfig]) -> list[str]:
+        """The variable's name must be given in the load section."""
+        if getattr(stages.get("load"), "design", None) is None:
+            return ["design impl 'variable' needs the variable's name: set load.design"]
+        return []
 
 
 class PolynomialDesign(DesignConfig):
@@ -320,6 +336,19 @@ class LstsqSolve(SolveConfig):
         description="dtype of the data product and of the coefficients written; "
         "factorisations are always float64.",
     )
+    uncertainty: Literal["none", "stderr", "cov"] = Field(
+        "none",
+        description="Per-pixel uncertainty of the coefficients: none; stderr (standard errors, "
+        "t-statistics, two-sided p-values, degrees of freedom, R²); or cov (also the full "
+        "coefficient covariance). Not identifiable coefficients (minimum norm on a "
+        "rank-deficient design) get NaN.",
+    )
+    cov_scale: Literal["residual", "unscaled"] = Field(
+        "residual",
+        description="residual: scale the covariance by the residual variance Σw·r²/dof "
+        "(statsmodels OLS/WLS, numpy.polyfit cov=True); unscaled: weights are 1/σ² of known "
+        "errors, no scaling (numpy's cov='unscaled'), p-values from the normal distribution.",
+    )
     device: str = speed_field(
         "auto", "auto, cpu, cuda or cuda:N.", pattern=r"^(auto|cpu|cuda(:\d+)?)$"
     )
@@ -373,6 +402,19 @@ class ModelConfig(StageConfig):
     chunk_pixels: int | None = speed_field(
         None, "Pixels per vmap chunk; default from the memory budget.", ge=1
     )
+    compile: Literal["auto", "always", "never"] = speed_field(
+        "auto",
+        "torch.compile the per-pixel function: auto (when the grid has at least four million "
+        "pixels, where compiling pays), always, or never. A compiled function is checked "
+        "against the eager one on the first pixels of each process within the agreement "
+        "bound, and any compile failure or disagreement falls back to eager.",
+    )
+
+    def cross_stage(self, stages: Mapping[str, StageConfig]) -> list[str]:
+        """Objective mse needs the target variable named in the load section."""
+        if self.objective == "mse" and getattr(stages.get("load"), "target", None) is None:
+            return ["model objective 'mse' needs a target: set load.target"]
+        return []
 
 
 class MultidimLinearModel(ModelConfig):
@@ -432,6 +474,12 @@ class NetCDFWrite(WriteConfig):
         "default: 1 along leading dims, 256×256 spatially.",
     )
     overwrite: bool = Field(True, description="Replace an existing file (atomically).")
+    layout: Literal["nested", "flat"] = Field(
+        "nested",
+        description="nested: every parameter dim of a gradient or Jacobian is its own dim. "
+        "flat: a variable's dims before (y, x) become one labelled dim <name>_index, "
+        "so tools that read at most one extra dim (CDO, Panoply) read every variable.",
+    )
 
     @field_validator("path")
     @classmethod
@@ -526,11 +574,7 @@ DEFAULT_IMPL: dict[str, str | None] = {
 
 
 def _config_classes(kind: str) -> Mapping[str, type[StageConfig]]:
-    # The registry is the one source of truth for implementations, built-in or
-    # plugged in; imported late because stages import these config classes.
-    from gridsolve.stages.engine.registry import config_classes
-
-    return config_classes(kind)
+    return catalog.classes(kind)
 
 
 def suggest(name: str, known: Iterable[str]) -> str:
@@ -644,13 +688,7 @@ class PipelineConfig(BaseModel):
 
 def cross_stage_problems(stages: Mapping[str, StageConfig]) -> list[str]:
     """Violations that involve two stages' configs (each a sentence with its fix)."""
-    load, design, model = stages["load"], stages["design"], stages["model"]
-    problems = []
-    if design.impl == "variable" and getattr(load, "design", None) is None:
-        problems.append("design impl 'variable' needs the variable's name: set load.design")
-    if getattr(model, "objective", None) == "mse" and getattr(load, "target", None) is None:
-        problems.append("model objective 'mse' needs a target: set load.target")
-    return problems
+    return [p for conf in stages.values() for p in conf.cross_stage(stages)]
 
 
 DEMO_DEFAULTS: dict[str, Any] = {
@@ -797,3 +835,19 @@ def render_template(text: str, values: Mapping[str, str]) -> str:
         return re.sub(r"\.\.+", "_", value) or "_"
 
     return re.sub(r"{(\w+)}", lambda m: safe(m.group(1)), text)
+
+
+for _builtin in (
+    NetCDFLoad,
+    DemoLoad,
+    VariableDesign,
+    PolynomialDesign,
+    HarmonicDesign,
+    RandomDesign,
+    SVDNormalEquations,
+    LstsqSolve,
+    MultidimLinearModel,
+    ModuleModel,
+    NetCDFWrite,
+):
+    catalog.add(_builtin)

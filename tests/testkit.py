@@ -77,34 +77,31 @@ class Chain:
 
     def tiled(self, kind: str, config: Any, tiles: list[Any] | None = None) -> list[Any]:
         from gridsolve.schemas.artifacts import Tile, TiledRef
+        from gridsolve.stages.engine.plan import Step, tile_inputs, tiled_ref
         from gridsolve.stages.engine.registry import decl_for
         from gridsolve.stages.engine.runner import prepare_stage, run_tile
 
-        decl = decl_for(config)
-        prep = prepare_stage(config, {k: self.refs[k] for k in decl.inputs}, self.ctx)
-        stage_key = prep.ref.meta["_stage_key"]
-        self.refs[kind] = TiledRef(
-            kind=kind, impl=config.impl, key=stage_key, prepared=prep.ref, tiles=()
-        )
+        step = Step(kind, config, decl_for(config))
+        prep = prepare_stage(config, {k: self.refs[k] for k in step.decl.inputs}, self.ctx)
+        self.refs[kind] = tiled_ref(step, prep.ref)
         load = self.refs["load"].meta
         tiles = tiles or [Tile(index=0, y0=0, y1=load["ny"], x0=0, x1=load["nx"])]
-        runs = []
-        for t in tiles:
-            refs = {}
-            for k in decl.inputs:
-                upstream = self.refs[k]
-                refs[k] = (
-                    upstream.tiles[t.index]
-                    if isinstance(upstream, TiledRef) and upstream.tiles
-                    else upstream
-                )
-            runs.append(run_tile(config, refs, prep.ref, t, self.ctx))
-        self.refs[kind] = TiledRef(
-            kind=kind,
-            impl=config.impl,
-            key=stage_key,
-            prepared=prep.ref,
-            tiles=tuple(r.ref for r in runs),
-        )
+        tile_refs = {
+            k: {r.tile.index: r for r in ref.tiles}
+            for k, ref in self.refs.items()
+            if isinstance(ref, TiledRef) and ref.tiles
+        }
+        runs = [
+            run_tile(config, tile_inputs(step, self.refs, tile_refs, t), prep.ref, t, self.ctx)
+            for t in tiles
+        ]
+        self.refs[kind] = tiled_ref(step, prep.ref, [r.ref for r in runs])
         self.runs[kind] = runs
         return [self.ctx.store.get(r.ref.key) for r in runs]
+
+
+def run_plan(configs: dict[str, Any], ctx: Any, **kwargs: Any) -> dict[str, Any]:
+    """The whole pipeline of ``configs`` (by kind) through the same plan the flow runs."""
+    from gridsolve.stages.engine.plan import build_plan, run_locally
+
+    return run_locally(build_plan(configs), ctx, **kwargs)

@@ -3,7 +3,10 @@
 Generated bases use a centred, scaled axis: datetimes become days since
 1970-01-01, then ``t = (v - centre) / half_range`` lies in [-1, 1], which keeps
 polynomial columns well conditioned. The centre and scale are recorded so
-coefficients can be mapped back to raw units.
+coefficients can be mapped back to raw units. Each design records its columns'
+units (``column_units``, None where unknown) and, where it has one, which column
+is the linear trend (``trend``), so the output can state coefficient units and
+the trend per raw axis unit (per day for datetimes).
 """
 
 from __future__ import annotations
@@ -55,6 +58,25 @@ def obs_axis(values: np.ndarray, stage: str) -> tuple[np.ndarray, str]:
     return axis.astype(np.float64), unit
 
 
+def axis_unit(load_meta: Mapping[str, Any], values: np.ndarray) -> str | None:
+    """The unit one step of the raw obs axis is in ("day" for datetimes); None if unknown."""
+    if np.issubdtype(values.dtype, np.datetime64):
+        return "day"
+    units = (load_meta.get("coord_attrs", {}).get("obs") or {}).get("units")
+    if isinstance(units, str) and units.strip() and "since" not in units:
+        return units.strip()
+    return None
+
+
+def power_unit(unit: str | None, k: int) -> str | None:
+    """``unit`` to the power ``k`` in UDUNITS syntax; None if unknown or not a plain symbol."""
+    if k == 0:
+        return "1"
+    if unit is None or not unit.isalpha():
+        return None
+    return unit if k == 1 else f"{unit}{k}"
+
+
 def centre_scale(v: np.ndarray) -> tuple[float, float]:
     """(centre, half range) mapping ``v`` onto [-1, 1]; half range 1 when constant."""
     lo, hi = float(np.min(v)), float(np.max(v))
@@ -75,6 +97,13 @@ def conditioning(A: np.ndarray) -> dict[str, Any]:
         "s_max": float(s[0]),
         "s_min": float(s[-1]),
     }
+
+
+def _trend(column: int | None, scale: float, per: str | None) -> dict[str, Any]:
+    """Design meta naming the linear-trend column: trend = coefficient / scale, per ``per``."""
+    if column is None:
+        return {}
+    return {"trend": {"column": column, "scale": scale, "per": per}}
 
 
 def _output(A: np.ndarray, columns: list[str], meta: dict[str, Any]) -> StageOutput:
@@ -104,21 +133,38 @@ def run_variable(
         )
     A = np.array(load.array("design"))
     cols = load.meta.get("design_columns") or [f"c{i}" for i in range(A.shape[1])]
-    return _output(A, cols, {"basis": "variable", "variable": load.meta["aux"]["design"]["name"]})
+    aux = load.meta["aux"]["design"]
+    units = aux.get("units")
+    return _output(
+        A,
+        cols,
+        {"basis": "variable", "variable": aux["name"], "column_units": [units] * A.shape[1]},
+    )
 
 
 def run_polynomial(
     config: PolynomialDesign, inputs: Mapping[str, Artifact], ctx: StageContext
 ) -> StageOutput:
     """Columns t**0 … t**degree of the (scaled) observation coordinate."""
-    v, unit = obs_axis(inputs["load"].array("obs"), "design/polynomial")
+    raw = inputs["load"].array("obs")
+    v, unit = obs_axis(raw, "design/polynomial")
     centre, half = centre_scale(v) if config.scale else (0.0, 1.0)
     t = (v - centre) / half
     A = np.stack([t**k for k in range(config.degree + 1)], axis=1)
+    step = axis_unit(inputs["load"].meta, raw)
+    # Scaled columns are pure numbers; raw ones carry the axis unit to their power.
+    col_units = ["1" if config.scale else power_unit(step, k) for k in range(config.degree + 1)]
     return _output(
         A,
         [f"t^{k}" for k in range(config.degree + 1)],
-        {"basis": "polynomial", "t_centre": centre, "t_scale": half, "t_units": unit},
+        {
+            "basis": "polynomial",
+            "t_centre": centre,
+            "t_scale": half,
+            "t_units": unit,
+            "column_units": col_units,
+            **_trend(1 if config.degree >= 1 else None, half, step),
+        },
     )
 
 
@@ -154,6 +200,8 @@ def run_harmonic(
             "t_centre": centre,
             "t_scale": half,
             "t_units": unit,
+            "column_units": ["1"] * len(names),
+            **_trend(1 if config.trend else None, half, axis_unit(inputs["load"].meta, raw)),
         },
     )
 
@@ -165,8 +213,15 @@ def run_random(
     n_obs = int(inputs["load"].meta["n_obs"])
     A = np.random.default_rng(config.seed).standard_normal((n_obs, config.coef))
     return _output(
-        A, [f"c{i}" for i in range(config.coef)], {"basis": "random", "seed": config.seed}
+        A,
+        [f"c{i}" for i in range(config.coef)],
+        {"basis": "random", "seed": config.seed, "column_units": ["1"] * config.coef},
     )
+
+
+def describe(meta: Mapping[str, Any]) -> str:
+    """The design's size and conditioning, for the run log."""
+    return f"{meta['coef']} coefficients, rank {meta['rank']}, condition number {meta['cond']:.3g}"
 
 
 for _impl, _cfg, _fn, _summary in (
@@ -184,6 +239,7 @@ for _impl, _cfg, _fn, _summary in (
             run=_fn,
             inputs=("load",),
             outputs=OUTPUTS,
+            describe=describe,
             summary=_summary,
         )
     )

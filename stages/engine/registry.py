@@ -10,20 +10,21 @@ group, loaded on first use.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gridsolve.schemas import catalog
 from gridsolve.schemas.config import STAGE_KINDS, StageConfig, suggest
 from gridsolve.schemas.contracts import ArraySpec
 from gridsolve.schemas.errors import ConfigError
+from gridsolve.stages.engine.contract import contract_of
 
 log = logging.getLogger("gridsolve.registry")
 
-ENTRY_POINT_GROUP = "gridsolve.stages"
+ENTRY_POINT_GROUP = catalog.ENTRY_POINT_GROUP
 
 #: Key, in a ref's metadata and in an input opened by the runner, of the per-run
 #: facts about the outside files a stage read this run (see ``StageDecl.locate``).
@@ -51,6 +52,18 @@ class StageDecl:
     adds ``paths`` (the config's input files, see ``StageConfig.input_files``).
     ``records_sources`` stages write those paths into their outputs, so the
     paths of their inputs' sources are part of their key.
+
+    What the plan (``stages/engine/plan.py``) reads: ``grid`` ``(meta) ->
+    (ny, nx)`` on the stage whose artifact describes the grid (load);
+    ``pixel_bytes`` ``(prepared meta) -> bytes`` on a tiled stage, the memory
+    one pixel of a tile holds in it (inputs plus outputs), which sizes tiles;
+    ``alignment`` ``(config, grid meta) -> (rows, cols)`` on the writer, the
+    output chunk that tiles align to; ``counts`` the name of a per-tile meta
+    entry of counts (e.g. pixel statuses) that the run summary adds up;
+    ``describe`` ``(meta) -> str`` a line the run log shows for the stage.
+    ``read_block`` ``(meta, role, tile) -> array`` on the stage that describes
+    the cube (load): how tiled stages read a block of it (see
+    ``stages/engine/blocks.py``).
     """
 
     kind: str
@@ -67,11 +80,16 @@ class StageDecl:
     summary: str = ""
     locate: Callable[..., Mapping[str, Any]] | None = None
     records_sources: bool = False
+    grid: Callable[[Mapping[str, Any]], tuple[int, int]] | None = None
+    pixel_bytes: Callable[[Mapping[str, Any]], int] | None = None
+    alignment: Callable[[Any, Mapping[str, Any]], tuple[int, int]] | None = None
+    counts: str | None = None
+    describe: Callable[[Mapping[str, Any]], str] | None = None
+    read_block: Callable[[Mapping[str, Any], str, Any], Any] | None = None
 
 
 _REGISTRY: dict[str, dict[str, StageDecl]] = {k: {} for k in STAGE_KINDS}
 _LOCK = threading.RLock()
-_entry_points_loaded = False
 
 
 def register(decl: StageDecl, *, replace: bool = False) -> StageDecl:
@@ -81,6 +99,18 @@ def register(decl: StageDecl, *, replace: bool = False) -> StageDecl:
             f"cannot register {decl.impl!r}: unknown stage kind {decl.kind!r}",
             expected=f"one of {', '.join(STAGE_KINDS)}",
             fix="set StageDecl.kind to one of the kinds",
+        )
+    contract = contract_of(decl.kind)
+    if contract is not None and contract.tiled != decl.tiled:
+        how = "tile by tile (tiled=True, with a prepare step)" if contract.tiled else "whole"
+        raise ConfigError(
+            f"cannot register {decl.kind}/{decl.impl}: the {decl.kind} contract runs {how}",
+            fix=f"set StageDecl.tiled={contract.tiled} (see stages/{decl.kind}/contract.py)",
+        )
+    if decl.tiled and decl.prepare is None:
+        raise ConfigError(
+            f"cannot register {decl.kind}/{decl.impl}: a tiled stage needs a prepare step",
+            fix="give StageDecl.prepare (it may return an empty StageOutput)",
         )
     impl_default = decl.config.model_fields["impl"].default
     if impl_default != decl.impl:
@@ -99,6 +129,7 @@ def register(decl: StageDecl, *, replace: bool = False) -> StageDecl:
                 fix="choose another impl name, or pass replace=True",
             )
         _REGISTRY[decl.kind][decl.impl] = decl
+        catalog.add(decl.config)
     return decl
 
 
@@ -106,26 +137,14 @@ def unregister(kind: str, impl: str) -> None:
     """Remove an implementation (tests and plugin reloads)."""
     with _LOCK:
         _REGISTRY[kind].pop(impl, None)
+        catalog.remove(kind, impl)
 
 
 def _load_entry_points() -> None:
-    global _entry_points_loaded
-    with _LOCK:
-        if _entry_points_loaded:
-            return
-        _entry_points_loaded = True
-        import gridsolve.stages  # noqa: F401  (built-in implementations register on import)
-
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            try:
-                obj = ep.load()
-            except Exception as exc:
-                raise ConfigError(
-                    f"stage plugin {ep.name!r} ({ep.value}) failed to import: {exc}",
-                    fix="fix or uninstall the package that declares it",
-                ) from exc
-            if callable(obj) and not isinstance(obj, type):
-                obj()
+    # The built-in implementations need no import here: importing anything
+    # under gridsolve.stages (this module included) runs gridsolve/stages/__init__,
+    # which imports every built-in kind, and they register.
+    catalog.load_plugins()
 
 
 def implementations(kind: str) -> dict[str, StageDecl]:

@@ -28,6 +28,8 @@ from gridsolve.schemas.config import StageConfig
 from gridsolve.schemas.contracts import check_arrays
 from gridsolve.schemas.errors import GridsolveError, StageError
 from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.contract import check as check_contract
+from gridsolve.stages.engine.contract import contract_of
 from gridsolve.stages.engine.hashing import canonical_json, stage_key, tile_key
 from gridsolve.stages.engine.registry import SOURCE, StageDecl, decl_for
 from gridsolve.stages.engine.store import Artifact, StageOutput, Store, TiledArtifact
@@ -191,6 +193,17 @@ def _call(decl: StageDecl, fn: Any, *args: Any) -> StageOutput:
     return out
 
 
+def _check(
+    decl: StageDecl, part: str, out: StageOutput, sizes: Mapping[str, int] | None = None
+) -> None:
+    """The kind's contract, then the implementation's own declared outputs."""
+    contract = contract_of(decl.kind)
+    if contract is not None:
+        check_contract(_name(decl), contract, part, out.arrays, out.meta, sizes)
+    if decl.outputs and part != "prepare":
+        check_arrays(_name(decl), out.arrays, decl.outputs, sizes)
+
+
 def _info(
     decl: StageDecl, config: StageConfig, refs: Mapping[str, Ref], part: str
 ) -> dict[str, Any]:
@@ -246,8 +259,7 @@ def run_stage(
     inputs = {k: _open(refs[k], ctx.store) for k in decl.inputs}
     ctx.key = key
     out = _call(decl, decl.run, config, inputs, ctx)
-    if decl.outputs:
-        check_arrays(_name(decl), out.arrays, decl.outputs)
+    _check(decl, "whole", out)
     art = ctx.store.put(key, out, _info(decl, config, refs, "whole"))
     return _result(decl, key, art, ctx.store, t0, False, extra_meta=run_meta)
 
@@ -268,6 +280,7 @@ def prepare_stage(
         inputs = {k: _open(refs[k], ctx.store) for k in decl.inputs}
         ctx.key = key
         out = _call(decl, decl.prepare, config, inputs, ctx)
+        _check(decl, "prepare", out)
         art = ctx.store.put(key, out, _info(decl, config, refs, "prepare"))
     src = source_meta(config, ctx)
     extra: dict[str, Any] = {"_stage_key": stage, **({SOURCE: src} if src else {})}
@@ -293,9 +306,8 @@ def run_tile(
     inputs = {k: _open(refs[k], ctx.store) for k in decl.inputs}
     ctx.key = key
     out = _call(decl, decl.run, config, inputs, ctx.store.get(prepared.key), tile, ctx)
-    if decl.outputs:
-        ny, nx = tile.shape
-        check_arrays(_name(decl), out.arrays, decl.outputs, {"y": ny, "x": nx})
+    ny, nx = tile.shape
+    _check(decl, "tile", out, {"y": ny, "x": nx})
     art = ctx.store.put(
         key, out, {**_info(decl, config, refs, "tile"), "tile": list(tile.bounds())}
     )

@@ -113,6 +113,19 @@ class _HashingWriter:
         return self._f.write(mv)
 
 
+def _write_npy(f: BinaryIO, arr: np.ndarray) -> _HashingWriter:
+    """``arr`` as .npy into ``f``, checksummed; the same bytes as ``np.save``."""
+    w = _HashingWriter(f)
+    if arr.flags.c_contiguous and arr.dtype.kind in "biufc":  # kinds with a buffer interface
+        # Straight from the array's memory: write_array copies a file-like wrapper's
+        # data through tobytes() in 16 MiB pieces first.
+        np.lib.format.write_array_header_1_0(w, np.lib.format.header_data_from_array_1_0(arr))
+        w.write(arr.reshape(-1).data.cast("B"))
+    else:
+        np.lib.format.write_array(w, arr, allow_pickle=False)
+    return w
+
+
 def _file_checksum(path: Path) -> str:
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
@@ -245,8 +258,7 @@ class Store:
                     arr = np.asarray(arr)
                     fname = f"a{i}.npy"
                     with open(tmp / fname, "wb") as f:
-                        w = _HashingWriter(f)
-                        np.lib.format.write_array(w, arr, allow_pickle=False)
+                        w = _write_npy(f, arr)
                     files[name] = {
                         "file": fname,
                         "size": w.size,
@@ -264,7 +276,8 @@ class Store:
                 (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True, allow_nan=True))
                 final = self.path(key)
                 final.parent.mkdir(parents=True, exist_ok=True)
-                self._publish(tmp, final, key)
+                if self._publish(tmp, final, key):
+                    self._remember(final, files)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise StoreError(
@@ -278,16 +291,28 @@ class Store:
             ) from exc
         return self.get(key)
 
-    def _publish(self, tmp: Path, final: Path, key: str) -> None:
+    def _remember(self, folder: Path, files: Mapping[str, Mapping[str, Any]]) -> None:
+        # Checksummed while written: reading them back to check again would only re-hash
+        # the bytes just hashed. check() reads the manifest's files in sorted order.
+        stamp = []
+        for name in sorted(files):
+            st = (folder / files[name]["file"]).stat()
+            stamp.append((files[name]["file"], st.st_size, st.st_mtime_ns))
+        with self._lock:
+            self._verified[str(folder)] = tuple(stamp)
+
+    def _publish(self, tmp: Path, final: Path, key: str) -> bool:
+        """Rename ``tmp`` into place; False when another writer's whole copy was kept."""
         try:
             os.rename(tmp, final)
-            return
+            return True
         except OSError as exc:
             if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
         # Someone else published this key first: keep theirs if it is whole.
         status, why = self.check(key)
         if status == "hit":
-            return
+            return False
         self.quarantine(key, why)
         os.rename(tmp, final)
+        return True

@@ -277,6 +277,43 @@ def _coord(
     return values, attrs
 
 
+def _coord_cf(
+    ds: xr.Dataset, da: xr.DataArray, dim: str, values: np.ndarray, path: str
+) -> tuple[dict[str, Any], np.ndarray | None]:
+    """How the input writes ``dim``'s coordinate (attrs, time encoding, bounds), and its bounds.
+
+    The writer copies this so the output keeps the input's conventions. Attributes
+    that describe stored rather than decoded values (``_FillValue``, packing,
+    ``valid_*``) are left out: they do not apply to the values the output writes.
+    """
+    info: dict[str, Any] = {"attrs": {}, "attr_dtypes": {}, "encoding": {}, "bounds": None}
+    if dim not in da.coords:
+        return info, None
+    c = da.coords[dim]
+    for k, v in c.attrs.items():
+        if k.startswith("_") or k in _VALID_ATTRS:
+            continue
+        info["attrs"][k] = _jsonable(v)
+        kind = np.asarray(v).dtype
+        if isinstance(v, np.ndarray | np.generic) and kind.kind in "biuf":
+            # JSON has one number type: keep the attribute's own (CF wants it to match).
+            info["attr_dtypes"][k] = kind.str
+    if values.dtype.kind == "M":
+        for k in ("units", "calendar"):
+            if k in c.encoding:
+                info["encoding"][k] = str(c.encoding[k])
+        if "dtype" in c.encoding:
+            info["encoding"]["dtype"] = np.dtype(c.encoding["dtype"]).str
+    name = c.attrs.get("bounds")
+    if not isinstance(name, str) or name not in ds.variables:
+        return info, None
+    b = ds[name]
+    if b.ndim != 2 or str(b.dims[0]) != dim or b.dtype.kind != values.dtype.kind:
+        return info, None  # not bounds this coordinate's values can use
+    info["bounds"] = {"name": name, "dims": [str(d) for d in b.dims]}
+    return info, _read(b, f"bounds {name!r}", path)
+
+
 def _nonfinite(values: np.ndarray) -> tuple[int, int, str] | None:
     """(count, first index, kind) of NaT / NaN / inf coordinate values; None if all finite."""
     if values.dtype.kind in "mM":
@@ -585,8 +622,12 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
 
     arrays: dict[str, np.ndarray] = {}
     coord_attrs: dict[str, dict[str, Any]] = {}
+    coord_cf: dict[str, dict[str, Any]] = {}
     for role, dname in (("obs", obs_dim), ("y", y_dim), ("x", x_dim)):
         arrays[role], coord_attrs[role] = _coord(ds, da, dname, path)
+        coord_cf[role], bounds = _coord_cf(ds, da, dname, arrays[role], path)
+        if bounds is not None:
+            arrays[f"{role}_bounds"] = bounds
         if role == "obs" and (bad := _nonfinite(arrays[role])):
             count, first, what = bad
             problems.append(
@@ -603,9 +644,12 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
                 "name": dname,
                 "dtype": arrays[role].dtype.str,
                 "attrs": coord_attrs[role],
+                "cf": coord_cf[role],
             }
         )
         h.update(arrays[role])
+        if f"{role}_bounds" in arrays:
+            h.update(arrays[f"{role}_bounds"])
         digests[f"coord_{role}"] = h.hexdigest()
     if problems:
         raise ContractError(
@@ -614,6 +658,10 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
             violations=problems,
             fix="; ".join(fixes),
         )
+    # The output appends its line to the input's history (CF 2.6.2): part of the content.
+    history = str(ds.attrs.get("history", ""))
+    if history:
+        digests["history"] = hash_text(history)
     design_columns: list[str] | None = None
     if "design" in aux:
         d = ds[aux["design"]["name"]]
@@ -624,6 +672,8 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
         if coef_dim in d.coords:
             design_columns = [str(c) for c in np.asarray(d.coords[coef_dim].values)]
         aux["design"]["coef_dim"] = coef_dim
+        if isinstance(d.attrs.get("units"), str):
+            aux["design"]["units"] = d.attrs["units"]  # hashed with the design's attrs
         # The labels name the output's coef coordinate: part of the content.
         digests["design_columns"] = hash_text(canonical_json(design_columns))
     if s["nan"]:
@@ -646,6 +696,8 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
         "dtype": da.dtype.str,
         "attrs": {k: _jsonable(v) for k, v in da.attrs.items() if k in _KEPT_ATTRS},
         "coord_attrs": coord_attrs,
+        "coord_cf": coord_cf,
+        "history": history,
         "nan_count": int(s["nan"]),
         "abs_max": s["abs_max"],
         "aux": aux,
@@ -782,6 +834,11 @@ def _netcdf_config(config: NetCDFLoad | DemoLoad, ctx: StageContext) -> tuple[st
     return os.path.abspath(config.path), config
 
 
+def grid(meta: Mapping[str, Any]) -> tuple[int, int]:
+    """(rows, columns) of the cube's spatial grid: what the run is tiled over."""
+    return int(meta["ny"]), int(meta["nx"])
+
+
 for _impl, _cfg, _summary in (
     ("netcdf", NetCDFLoad, "check and hash a NetCDF cube"),
     ("demo", DemoLoad, "seeded synthetic cube (written once as NetCDF)"),
@@ -795,6 +852,8 @@ for _impl, _cfg, _summary in (
             run=run,
             fingerprint=fingerprint,
             locate=locate,
+            grid=grid,
+            read_block=read_block,
             summary=_summary,
         )
     )

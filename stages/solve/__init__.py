@@ -1,5 +1,5 @@
 """The ``solve`` kind: coefficients and diagnostics at every pixel, tile by tile."""
 
-from gridsolve.stages.solve import lstsq
+from gridsolve.stages.solve import contract, lstsq
 
-__all__ = ["lstsq"]
+__all__ = ["contract", "lstsq"]

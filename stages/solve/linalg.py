@@ -17,6 +17,14 @@ Two families:
 When ``coef`` exceeds ``obs``, the minimum-norm and ridge solutions use the
 dual form ``c = AᵀS (SAAᵀS + λI)⁻¹ S b`` (S = W_p^½), whose matrix is
 obs × obs instead of coef × coef.
+
+Uncertainty (:class:`Spread`) comes from the same factorisations: every
+solution is ``c = P_w S b`` for an operator ``P_w`` of the weighted rows
+``X = S A``, so under the WLS model (Cov(S b) = σ²I) the coefficients'
+unscaled covariance is ``P_w P_wᵀ``: ``(XᵀX)⁻¹`` for a full-rank fit, the
+pseudo-inverse's ``V Σ⁻² Vᵀ`` for minimum norm, and for ridge the sandwich
+``(XᵀX+λI)⁻¹ XᵀX (XᵀX+λI)⁻¹``. The effective number of parameters is
+``tr(X P_w)``: the rank, or ``Σ s²/(s²+λ)`` under ridge.
 """
 
 from __future__ import annotations
@@ -45,6 +53,14 @@ REFINE_TOL = 1e-11
 #: A Cholesky pivot below this fraction of its diagonal entry means the
 #: pixel's design is (nearly) rank-deficient, κ(A) ≳ 1e5: solve it by SVD.
 PIVOT_TOL = 1e-10
+#: A minimum-norm coefficient is identifiable when the unit vector of its column
+#: lies in the row space of the pixel's design: its squared projection onto that
+#: space (1 when it does) may fall short of 1 by this much (rounding, measured
+#: in tests/stages/test_uncertainty.py); otherwise its uncertainty is NaN.
+IDENT_TOL = 1e-6
+#: The constant vector is in a design's column space when its squared distance
+#: to that space is at most this fraction of its squared norm.
+CONST_TOL = 1e-10
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,8 @@ class Operator:
     rank: int
     cond: float  # amplification s_max·‖P‖ of the solve actually used
     method: str
+    #: (coef,) whether each coefficient is identifiable (see IDENT_TOL)
+    identifiable: np.ndarray | None = None
 
 
 def _filter(s: np.ndarray, how: str, ridge: float, cutoff: float) -> np.ndarray:
@@ -107,13 +125,52 @@ def svd_operator(
             except np.linalg.LinAlgError:
                 pass
         if pol.fallback == "none":
-            return Operator(np.full((coef, rows), np.nan), SINGULAR, rank, float("inf"), "singular")
+            return Operator(
+                np.full((coef, rows), np.nan),
+                SINGULAR,
+                rank,
+                float("inf"),
+                "singular",
+                np.zeros(coef, dtype=bool),
+            )
         how = pol.fallback
         status = FELL_BACK_RIDGE if how == "ridge" else FELL_BACK_MINNORM
     inv = _filter(s, how, pol.ridge, cut)
     P = (Vt.T * inv) @ U.T
     cond = float(s[0] * inv.max()) if s.size and inv.max() > 0 else float("inf")
-    return Operator(P, status, rank, cond, "svd-" + how)
+    if how == "ridge" or rank == coef:
+        ident = np.ones(coef, dtype=bool)
+    else:
+        ident = (Vt[:rank] ** 2).sum(axis=0) >= 1.0 - IDENT_TOL
+    return Operator(P, status, rank, cond, "svd-" + how, ident)
+
+
+def spans_constant(A: np.ndarray, pol: Policy) -> bool:
+    """Whether the constant vector lies in the column space of ``A`` (rows × coef)."""
+    rows, coef = A.shape
+    if rows == 0 or not np.isfinite(A).all():
+        return False
+    U, s, _ = np.linalg.svd(A, full_matrices=False)
+    if not s.size or s[0] == 0:
+        return False
+    keep = s > pol.cutoff(rows, coef) * s[0]
+    proj = U[:, keep].T @ np.ones(rows)
+    return bool(proj @ proj >= (1.0 - CONST_TOL) * rows)
+
+
+def operator_spread(
+    Pw: np.ndarray, Aw: np.ndarray, identifiable: np.ndarray, full: bool
+) -> tuple[np.ndarray, float, np.ndarray | None]:
+    """Unscaled variances (NaN where not identifiable), effective parameters and covariance.
+
+    ``Pw`` (coef × rows) maps the weighted data ``S b`` of the weighted design
+    ``Aw`` to the coefficients; the covariance is returned when ``full``.
+    """
+    cov = Pw @ Pw.T
+    cov[~identifiable, :] = np.nan
+    cov[:, ~identifiable] = np.nan
+    edf = float(np.trace(Pw @ Aw)) if Pw.size else 0.0
+    return np.diagonal(cov).copy(), edf, cov if full else None
 
 
 # ---------------------------------------------------------------- per pixel
@@ -235,7 +292,7 @@ def _converged(dx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _primal(
     A: torch.Tensor, B0: torch.Tensor, Wp: torch.Tensor, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
     obs, coef = A.shape
     # Work in the orthonormal basis U of the design (A = U·diag(s)·Vᵀ): each
     # pixel's Gram matrix UᵀW_pU is then near the identity unless its gaps are
@@ -268,12 +325,13 @@ def _primal(
             break
     if precondition:
         x = colmm(Vh.T / s[None, :], x)
-    return x, conv
+    # (AᵀWA + λI)⁻¹ = T G⁻¹ Tᵀ with T = V·diag(1/s) in the orthonormal basis
+    return x, conv, (L, Vh / s[:, None] if precondition else None)
 
 
 def _dual(
     A: torch.Tensor, B0: torch.Tensor, Wp: torch.Tensor, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
     obs = A.shape[0]
     S = torch.sqrt(Wp)
     K = (A @ A.T)[:, :, None] * S[:, None, :] * S[None, :, :]
@@ -294,27 +352,50 @@ def _dual(
         conv = ok & _converged(dx, x)
         if bool(conv.eq(ok).all()):
             break
-    return x, conv
+    return x, conv, (L, S)
 
 
 def svd_per_pixel(
     A: torch.Tensor, B0: torch.Tensor, Wp: torch.Tensor, how: str, pol: Policy
 ) -> torch.Tensor:
     """Minimum-norm or ridge solution of each pixel by a batched SVD of its weighted rows."""
+    return _svd_solve(A, B0, Wp, how, pol, None)[0]
+
+
+def _svd_solve(
+    A: torch.Tensor,
+    B0: torch.Tensor,
+    Wp: torch.Tensor,
+    how: str,
+    pol: Policy,
+    full: bool | None,
+) -> tuple[torch.Tensor, Spread | None]:
+    """Coefficients (coef, P) by SVD, and their :class:`Spread` unless ``full`` is None."""
     obs, coef = A.shape
     S = torch.sqrt(Wp)  # (obs, P)
     X = S.T[:, :, None] * A[None]  # (P, obs, coef)
     y = (S * B0).T  # (P, obs)
     U, s, Vh = torch.linalg.svd(X, full_matrices=False)
+    keep = s > pol.cutoff(obs, coef) * s[:, :1]
     if how == "ridge":
         inv = s / (s * s + pol.ridge)
     else:
-        cut = pol.cutoff(obs, coef) * s[:, :1]
-        keep = s > cut
         inv = torch.where(keep, 1.0 / torch.where(keep, s, torch.ones_like(s)), torch.zeros_like(s))
     proj = stable_sum(U * y[:, :, None], dim=1)  # Uᵀy per pixel: (P, k)
     coeffs = stable_sum(Vh * (inv * proj)[:, :, None], dim=1)  # (P, coef)
-    return coeffs.T
+    if full is None:
+        return coeffs.T, None
+    Wv = inv[:, :, None] * Vh  # (P, k, coef): P_w = Wvᵀ Uᵀ, so P_w P_wᵀ = Wvᵀ Wv
+    var = stable_sum(Wv * Wv, dim=1).T
+    cov = torch.bmm(Wv.transpose(1, 2), Wv).permute(1, 2, 0) if full else None
+    if how != "ridge":
+        ident = stable_sum(Vh * Vh * keep[:, :, None], dim=1).T >= 1.0 - IDENT_TOL
+        var = var.masked_fill(~ident, torch.nan)
+        if cov is not None:
+            cov = cov.masked_fill(~ident[:, None, :] | ~ident[None, :, :], torch.nan)
+    ones = stable_sum(U * S.T[:, :, None], dim=1) * keep  # U_rᵀ S1 per pixel
+    spans = stable_sum(ones * ones, dim=1) >= (1.0 - CONST_TOL) * stable_sum(Wp)
+    return coeffs.T, Spread(var, stable_sum(s * inv, dim=1), cov, spans)
 
 
 def solve_per_pixel(
@@ -331,23 +412,163 @@ def solve_per_pixel(
     all) has enough valid observations; the others are computed but never sent
     to the SVD path, and the caller drops them.
     """
+    x, status, _ = _solve_per_pixel(A, B0, Wp, pol, svd_chunk, active, None, False)
+    return x, status
+
+
+def solve_per_pixel_spread(
+    A: torch.Tensor,
+    B0: torch.Tensor,
+    Wp: torch.Tensor,
+    pol: Policy,
+    full: bool = False,
+    spans_known: bool = False,
+    svd_chunk: int = 4096,
+    active: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, Spread]:
+    """:func:`solve_per_pixel`, and the solutions' :class:`Spread` from the same factorisations.
+
+    ``full`` asks for the covariance too. ``spans_known``: the design spans the
+    constant on all its rows, hence on every pixel's valid rows.
+    """
+    x, status, spread = _solve_per_pixel(A, B0, Wp, pol, svd_chunk, active, full, spans_known)
+    assert spread is not None
+    return x, status, spread
+
+
+@dataclass
+class Spread:
+    """Unscaled second moments of per-pixel solutions (pixels last), before the residual scale."""
+
+    var: torch.Tensor  # (coef, P) diagonal of P_w P_wᵀ; NaN: not identifiable
+    edf: torch.Tensor  # (P,) effective number of parameters tr(X P_w)
+    cov: torch.Tensor | None  # (coef, coef, P) P_w P_wᵀ, when asked
+    spans: torch.Tensor  # (P,) bool: the constant lies in the column space of the valid rows
+
+    def put(self, sel: torch.Tensor, other: Spread) -> None:
+        """Overwrite pixels ``sel`` with ``other``'s."""
+        self.var[:, sel], self.edf[sel], self.spans[sel] = other.var, other.edf, other.spans
+        if self.cov is not None and other.cov is not None:
+            self.cov[:, :, sel] = other.cov
+
+
+def _pixels_first(L: torch.Tensor) -> torch.Tensor:
+    """(n, n, P) → (P, n, n), contiguous: batched LAPACK works on one pixel's matrix at a time."""
+    return L.permute(2, 0, 1).contiguous()
+
+
+def _to_pixels_last(X: torch.Tensor) -> torch.Tensor:
+    return X.permute(1, 2, 0)
+
+
+def _primal_spread(L: torch.Tensor, T: torch.Tensor | None, lam: float, full: bool) -> Spread:
+    coef, _, p = L.shape
+    rhs = torch.eye(coef, dtype=L.dtype, device=L.device) if T is None else T
+    # Z = L⁻¹Tᵀ per pixel, so that ZᵀZ = (XᵀX + λI)⁻¹; one triangular solve per pixel
+    # (batched LAPACK: each pixel's result is independent of the others in the batch).
+    Z = torch.linalg.solve_triangular(_pixels_first(L), rhs.expand(p, coef, coef), upper=False)
+    if lam:
+        # the ridge sandwich M⁻¹XᵀXM⁻¹ = M⁻¹ − λM⁻², M = XᵀX + λI; tr(H) = coef − λ tr(M⁻¹)
+        Minv = torch.bmm(Z.transpose(1, 2), Z)
+        cov = Minv - lam * torch.bmm(Minv, Minv)
+        var = torch.diagonal(cov, dim1=1, dim2=2).T.contiguous()
+        edf = coef - lam * torch.diagonal(Minv, dim1=1, dim2=2).sum(1)
+        return Spread(var, edf, _to_pixels_last(cov) if full else None, _true(p, L.device))
+    var = (Z * Z).sum(1).T.contiguous()
+    edf = torch.full((p,), float(coef), dtype=L.dtype, device=L.device)
+    gram = _to_pixels_last(torch.bmm(Z.transpose(1, 2), Z)) if full else None
+    return Spread(var, edf, gram, _true(p, L.device))
+
+
+def _true(p: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(p, dtype=torch.bool, device=device)
+
+
+def _dual_spread(
+    A: torch.Tensor, L: torch.Tensor, S: torch.Tensor, lam: float, full: bool
+) -> Spread:
+    # X = S A; P_w = Xᵀ K⁻¹ with K = XXᵀ + λI: P_w X = ZᵀZ and P_w P_wᵀ = YᵀY,
+    # Z = L⁻¹X, Y = L⁻ᵀZ = K⁻¹X.
+    Lb = _pixels_first(L)
+    X = S.T[:, :, None] * A[None]  # (P, obs, coef)
+    Z = torch.linalg.solve_triangular(Lb, X, upper=False)
+    d = (Z * Z).sum(1)  # (P, coef): diagonal of P_w X
+    edf = d.sum(1)
+    Y = torch.linalg.solve_triangular(Lb.transpose(1, 2), Z, upper=True)
+    var = (Y * Y).sum(1)
+    cov = torch.bmm(Y.transpose(1, 2), Y) if full else None
+    if not lam:
+        ident = (d - 1.0).abs() <= IDENT_TOL
+        var = var.masked_fill(~ident, torch.nan)
+        if cov is not None:
+            cov = cov.masked_fill(~ident[:, :, None] | ~ident[:, None, :], torch.nan)
+    return Spread(
+        var.T.contiguous(),
+        edf,
+        None if cov is None else _to_pixels_last(cov),
+        _true(L.shape[2], L.device),
+    )
+
+
+def _svd_spans(A: torch.Tensor, Wp: torch.Tensor, pol: Policy) -> torch.Tensor:
+    """Per pixel, whether the constant lies in the column space of its weighted rows."""
+    spread = _svd_solve(A, torch.zeros_like(Wp), Wp, "minnorm", pol, False)[1]
+    assert spread is not None
+    return spread.spans
+
+
+def _solve_per_pixel(
+    A: torch.Tensor,
+    B0: torch.Tensor,
+    Wp: torch.Tensor,
+    pol: Policy,
+    svd_chunk: int,
+    active: torch.Tensor | None,
+    full: bool | None,
+    spans_known: bool,
+) -> tuple[torch.Tensor, torch.Tensor, Spread | None]:
     obs, coef = A.shape
     lam = pol.ridge if pol.policy == "ridge" else 0.0
     use_dual = pol.policy != "cholesky" and coef > obs
-    x, good = (_dual if use_dual else _primal)(A, B0, Wp, lam)
+    x, good, (L, extra) = (_dual if use_dual else _primal)(A, B0, Wp, lam)
+    spread = None
+    if full is not None:
+        if use_dual:
+            assert extra is not None
+            spread = _dual_spread(A, L, extra, lam, full)
+        else:
+            spread = _primal_spread(L, extra, lam, full)
+        if spans_known:
+            spread.spans[:] = True
+        else:
+            # the dual minimum-norm fit of a pixel that factored is exact on its rows
+            check = good if active is None else good & active
+            if use_dual and not lam:
+                check = torch.zeros_like(good)
+            todo = torch.nonzero(check).flatten()
+            for start in range(0, todo.numel(), svd_chunk):
+                sel = todo[start : start + svd_chunk]
+                spread.spans[sel] = _svd_spans(A, Wp[:, sel], pol)
     status = torch.full((B0.shape[1],), OK, dtype=torch.int8, device=A.device)
     bad = torch.nonzero(~good if active is None else active & ~good).flatten()
     if bad.numel() == 0:
-        return x, status
+        return x, status, spread
     how = pol.policy
     if how == "cholesky":
         if pol.fallback == "none":
             x[:, bad] = torch.nan
             status[bad] = SINGULAR
-            return x, status
+            if spread is not None:
+                spread.var[:, bad] = torch.nan
+                spread.edf[bad] = torch.nan
+                if spread.cov is not None:
+                    spread.cov[:, :, bad] = torch.nan
+            return x, status, spread
         how = pol.fallback
         status[bad] = FELL_BACK_RIDGE if how == "ridge" else FELL_BACK_MINNORM
     for start in range(0, bad.numel(), svd_chunk):
         sel = bad[start : start + svd_chunk]
-        x[:, sel] = svd_per_pixel(A, B0[:, sel], Wp[:, sel], how, pol)
-    return x, status
+        x[:, sel], part = _svd_solve(A, B0[:, sel], Wp[:, sel], how, pol, full)
+        if spread is not None and part is not None:
+            spread.put(sel, part)
+    return x, status, spread

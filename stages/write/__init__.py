@@ -1,5 +1,5 @@
 """The ``write`` kind: the output contract written atomically."""
 
-from gridsolve.stages.write import netcdf
+from gridsolve.stages.write import contract, netcdf
 
-__all__ = ["netcdf"]
+__all__ = ["contract", "netcdf"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,7 +30,7 @@ from gridsolve.schemas.config import NetCDFWrite
 from gridsolve.schemas.contracts import MODEL_STATUS_FLAGS, STATUS_FLAGS
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
 from gridsolve.stages.engine.context import StageContext
-from gridsolve.stages.engine.hashing import file_digest
+from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
 from gridsolve.stages.engine.paths import ensure_allowed, owner_is_dead, writer_tag
 from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
@@ -39,6 +40,12 @@ VERSION = "1"
 STAGE = "write/netcdf"
 DEFAULT_CHUNK_Y = 128
 DEFAULT_CHUNK_X = 256
+#: CF version the file follows (and the checkers know).
+CONVENTIONS = "CF-1.8"
+#: Output variables that are pure numbers whatever the data's units.
+DIMENSIONLESS = ("n_valid", "dof", "r2", "t_value", "p_value")
+#: Output variables in the coefficients' units.
+COEF_LIKE = ("coefficients", "coef_stderr")
 
 
 def _free_bytes(folder: Path) -> int:
@@ -115,7 +122,147 @@ def chunk_alignment(cfg: NetCDFWrite, y_dim: str, x_dim: str) -> tuple[int, int]
     return chunks.get(y_dim, DEFAULT_CHUNK_Y), chunks.get(x_dim, DEFAULT_CHUNK_X)
 
 
-def _variables(load: Artifact, solve: TiledArtifact, model: TiledArtifact) -> list[dict[str, Any]]:
+_PLAIN_UNIT = re.compile(r"[A-Za-z0-9 .^-]+")
+_SYMBOL_POWER = re.compile(r"([A-Za-z]+)(-?\d*)")
+
+
+def per_unit(units: str | None, per: str | None) -> str | None:
+    """``units`` divided by ``per`` in UDUNITS syntax (``K``, ``day`` → ``K day-1``).
+
+    None when either is unknown, or ``units`` is a time reference (``… since …``).
+    """
+    if units is None or per is None or "since" in units or "since" in per:
+        return None
+    if per == "1":
+        return units
+    m = _SYMBOL_POWER.fullmatch(per)
+    inverse = f"{m[1]}{-int(m[2] or 1)}" if m else f"({per})-1"
+    if units == "1":
+        return inverse
+    return f"{units} {inverse}" if _PLAIN_UNIT.fullmatch(units) else f"({units}) {inverse}"
+
+
+def coefficient_units(load: Artifact, design: Artifact) -> list[str | None]:
+    """Units of each coefficient: the data's units over its design column's (None: unknown)."""
+    units = load.meta["attrs"].get("units")
+    cols = design.meta.get("column_units") or [None] * len(design.meta["columns"])
+    return [per_unit(units, c) for c in cols]
+
+
+def _cf_attrs(v: dict[str, Any], coef_units: list[str | None], data_units: str | None) -> None:
+    """Units for variables whose units follow from their name, where not yet set."""
+    attrs = v["attrs"]
+    if "units" in attrs or "flag_values" in attrs or "flag_masks" in attrs:
+        return
+    name = v["name"]
+    if name in DIMENSIONLESS:
+        attrs["units"] = "1"
+    elif name in COEF_LIKE or name == "coef_cov":
+        uniform = coef_units[0] if len(set(coef_units)) == 1 else None
+        if uniform is not None and name != "coef_cov":
+            attrs["units"] = uniform
+        elif uniform is not None and _PLAIN_UNIT.fullmatch(uniform):
+            attrs["units"] = f"({uniform})2" if " " in uniform else f"{uniform}2"
+    elif name == "residual_rms" and data_units:
+        attrs["units"] = data_units
+    elif name == "prediction" or name.startswith(("grad_", "jac_")):
+        attrs["units"] = "1"  # the model declares no units
+
+
+def _uncertainty_variables(solve: TiledArtifact, y: str, x: str) -> list[dict[str, Any]]:
+    """The solve's per-pixel uncertainty variables, where it made them (solve.uncertainty)."""
+    from gridsolve.stages.solve.lstsq import UNCERTAINTY_FLAGS
+
+    first = solve.tiles[0][1] if solve.tiles else None
+    if first is None or "coef_stderr" not in first:
+        return []
+    scaled = solve.meta.get("cov_scale", "residual") == "residual"
+    how = (
+        "scaled by the residual variance sum(w*r^2)/dof"
+        if scaled
+        else "unscaled (weights taken as 1/variance of known errors)"
+    )
+    dist = "Student t with dof degrees of freedom" if scaled else "standard normal"
+    out: list[dict[str, Any]] = [
+        {
+            "name": "coef_stderr",
+            "src": ("solve", "coef_stderr"),
+            "dims": ("coef", y, x),
+            "attrs": {
+                "long_name": "standard error of the least-squares coefficients",
+                "comment": f"covariance {how}; NaN where a coefficient is not identifiable",
+            },
+        },
+        {
+            "name": "t_value",
+            "src": ("solve", "t_value"),
+            "dims": ("coef", y, x),
+            "attrs": {"long_name": "t-statistic of the coefficients (coefficient / stderr)"},
+        },
+        {
+            "name": "p_value",
+            "src": ("solve", "p_value"),
+            "dims": ("coef", y, x),
+            "attrs": {
+                "long_name": "two-sided p-value of the coefficients being zero",
+                "comment": f"from the {dist} distribution",
+            },
+        },
+        {
+            "name": "dof",
+            "src": ("solve", "dof"),
+            "dims": (y, x),
+            "attrs": {
+                "long_name": "residual degrees of freedom",
+                "comment": "valid observations minus the effective rank (trace of the hat "
+                "matrix under ridge)",
+            },
+        },
+        {
+            "name": "r2",
+            "src": ("solve", "r2"),
+            "dims": (y, x),
+            "attrs": {
+                "long_name": "coefficient of determination",
+                "comment": "centred where the pixel's design spans a constant, else uncentred",
+            },
+        },
+        {
+            "name": "uncertainty_flags",
+            "src": ("solve", "uncertainty_flags"),
+            "dims": (y, x),
+            "attrs": {
+                "long_name": "uncertainty flags",
+                "flag_masks": np.array(sorted(UNCERTAINTY_FLAGS), dtype=np.int8),
+                "flag_meanings": " ".join(UNCERTAINTY_FLAGS[k] for k in sorted(UNCERTAINTY_FLAGS)),
+            },
+        },
+    ]
+    for v in out[1:5]:
+        v["attrs"]["units"] = "1"
+    if "coef_cov" in first:
+        out.insert(
+            1,
+            {
+                "name": "coef_cov",
+                "src": ("solve", "coef_cov"),
+                "dims": ("coef", "coef2", y, x),
+                "attrs": {
+                    "long_name": "covariance of the least-squares coefficients",
+                    "comment": f"{how}; coef2 indexes the design columns as coef does",
+                },
+            },
+        )
+    return out
+
+
+def _variables(
+    load: Artifact,
+    design: Artifact,
+    solve: TiledArtifact,
+    model: TiledArtifact,
+    layout: str = "nested",
+) -> list[dict[str, Any]]:
     """Name, source array, dims and attrs of every tiled output variable."""
     y, x = load.meta["y_dim"], load.meta["x_dim"]
     units = load.meta["attrs"].get("units")
@@ -155,6 +302,7 @@ def _variables(load: Artifact, solve: TiledArtifact, model: TiledArtifact) -> li
                 "flag_meanings": " ".join(STATUS_FLAGS[k] for k in flags),
             },
         },
+        *_uncertainty_variables(solve, y, x),
         {
             "name": "prediction",
             "src": ("model", "prediction"),
@@ -201,41 +349,136 @@ def _variables(load: Artifact, solve: TiledArtifact, model: TiledArtifact) -> li
                 },
             }
         )
+    trend = design.meta.get("trend")
+    if trend is not None:
+        col, scale = int(trend["column"]), float(trend["scale"])
+        out.append(
+            {
+                "name": "trend",
+                "src": ("solve", "coefficients"),
+                "fn": lambda a: (a[col].astype(np.float64) / scale).astype(a.dtype),
+                "dims": (y, x),
+                "attrs": {
+                    "long_name": f"linear trend: coefficient of column "
+                    f"{design.meta['columns'][col]!r} per raw obs axis unit "
+                    "(the column's coefficient divided by the design's t_scale)",
+                    **({"units": u} if (u := per_unit(units, trend.get("per"))) else {}),
+                },
+            }
+        )
     first_model_tile = model.tiles[0][1] if model.tiles else None
-    return [
+    kept = [
         v
         for v in out
         if v["src"][0] == "solve"
         or (first_model_tile is not None and v["src"][1] in first_model_tile)
     ]
+    coef_units = coefficient_units(load, design)
+    for v in kept:
+        _cf_attrs(v, coef_units, units)
+        if "coef" in v["dims"]:
+            v["attrs"]["coordinates"] = " ".join(_coef_labels(coef_units))
+        if layout == "flat" and len(v["dims"]) > 3:
+            # One extra dim per variable: what CDO and Panoply read.
+            v["flat_from"] = v["dims"][:-2]
+            v["dims"] = (f"{v['name']}_index", y, x)
+            v["attrs"]["coordinates"] = f"{v['name']}_label"
+    return kept
+
+
+def _coef_labels(coef_units: list[str | None]) -> list[str]:
+    """The label variables of the coef dim: names, and per-column units where they differ."""
+    return ["coef_name"] if len(set(coef_units)) == 1 else ["coef_name", "coef_units"]
+
+
+def _coord_attrs(info: Mapping[str, Any]) -> dict[str, Any]:
+    """The input coordinate's attributes, numbers in their own dtype again."""
+    dtypes = info.get("attr_dtypes", {})
+    return {
+        k: np.asarray(v, dtype=dtypes[k]) if k in dtypes else v
+        for k, v in info.get("attrs", {}).items()
+    }
 
 
 def _skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.Dataset:
     meta = load.meta
     obs_dim, y, x = meta["obs_dim"], meta["y_dim"], meta["x_dim"]
-    ca = meta["coord_attrs"]
+    cf = meta.get("coord_cf") or {}
     cols = design.meta["columns"]
-    coords = {
-        obs_dim: (obs_dim, np.asarray(load.array("obs")), ca["obs"]),
-        y: (y, np.asarray(load.array("y")), ca["y"]),
-        x: (x, np.asarray(load.array("x")), ca["x"]),
-        "coef": ("coef", np.array(cols, dtype=str), {"long_name": "design column"}),
-    }
-    design_attrs = {
+    coords: dict[str, Any] = {}
+    bounds: dict[str, Any] = {}
+    for role, dim in (("obs", obs_dim), ("y", y), ("x", x)):
+        info = cf.get(role) or {"attrs": meta["coord_attrs"][role]}
+        coords[dim] = (dim, np.asarray(load.array(role)), _coord_attrs(info))
+        if info.get("bounds") and f"{role}_bounds" in load:
+            b = info["bounds"]
+            bounds[b["name"]] = (tuple(b["dims"]), np.asarray(load.array(f"{role}_bounds")))
+    coords["coef"] = (
+        "coef",
+        np.arange(len(cols), dtype=np.int32),
+        {"long_name": "design column", "units": "1"},
+    )
+    coords["coef_name"] = ("coef", np.array(cols, dtype=str), {"long_name": "design column name"})
+    coef_units = coefficient_units(load, design)
+    if "coef_units" in _coef_labels(coef_units):
+        coords["coef_units"] = (
+            "coef",
+            np.array([u or "" for u in coef_units], dtype=str),
+            {"long_name": "units of the coefficient of each design column (empty: unknown)"},
+        )
+    design_attrs: dict[str, Any] = {
         "long_name": "design matrix used for the fit",
         "basis": design.meta.get("basis", ""),
         "condition_number": float(design.meta["cond"]),
         "rank": int(design.meta["rank"]),
     }
+    col_units = design.meta.get("column_units") or []
+    if col_units and len(set(col_units)) == 1 and col_units[0] is not None:
+        design_attrs["units"] = col_units[0]
     for k in ("t_centre", "t_scale", "t_units", "period"):
         if k in design.meta:
             design_attrs[k] = design.meta[k]
+    if "t_centre" in design.meta:
+        design_attrs["comment"] = (
+            "columns are functions of t = (v - t_centre) / t_scale, v the obs coordinate "
+            "in t_units; a coefficient per unit of v is the coefficient / t_scale**power"
+        )
     ds = xr.Dataset(
-        {"design": ((obs_dim, "coef"), np.asarray(design.array("A")), design_attrs)},
+        {
+            "design": ((obs_dim, "coef"), np.asarray(design.array("A")), design_attrs),
+            **{name: (dims, values, {}) for name, (dims, values) in bounds.items()},
+        },
         coords=coords,
         attrs=dict(attrs),
     )
+    # CF 2.5.1: coordinate variables (and their bounds) carry no _FillValue.
+    for name in (*coords, *bounds):
+        ds[name].encoding["_FillValue"] = None
+    for name in ("coef_name", "coef_units"):
+        if name in ds:
+            ds[name].encoding.update(dtype="S1", char_dim_name=f"{name}_strlen")
+    enc = (cf.get("obs") or {}).get("encoding") or {}
+    if enc and np.issubdtype(ds[obs_dim].dtype, np.datetime64):
+        # The input's time encoding: units, calendar and dtype (bounds share it, CF 7.1).
+        time_enc = {k: (np.dtype(v) if k == "dtype" else v) for k, v in enc.items()}
+        ds[obs_dim].encoding.update(time_enc)
+        obs_bounds = (cf.get("obs") or {}).get("bounds")
+        if obs_bounds and obs_bounds["name"] in ds:
+            ds[obs_bounds["name"]].encoding.update(time_enc)
     return ds
+
+
+def _label_var(
+    nc: netCDF4.Dataset, name: str, dim: str, labels: Sequence[str], long_name: str
+) -> None:
+    """A CF label variable ``name(dim, <name>_strlen)`` of chars."""
+    raw = np.array([s.encode() for s in labels])
+    strlen = f"{name}_strlen"
+    nc.createDimension(strlen, max(1, raw.dtype.itemsize))
+    var = nc.createVariable(name, "S1", (dim, strlen))
+    var.long_name = long_name
+    var.setncattr("_Encoding", "utf-8")  # how xarray and NCO read it back as text
+    var[:] = netCDF4.stringtochar(raw.astype(f"S{max(1, raw.dtype.itemsize)}"))
 
 
 def write_netcdf(
@@ -253,15 +496,32 @@ def write_netcdf(
     tmp = final.with_name(f".{final.name}.gridsolve~{writer_tag()}~{uuid.uuid4().hex[:12]}.tmp")
     y_dim, x_dim = load.meta["y_dim"], load.meta["x_dim"]
     ny, nx = int(load.meta["ny"]), int(load.meta["nx"])
-    variables = _variables(load, solve, model)
+    variables = _variables(load, design, solve, model, config.layout)
+    obs_dim = load.meta["obs_dim"]
+    obs_units = (((load.meta.get("coord_cf") or {}).get("obs") or {}).get("encoding") or {}).get(
+        "units"
+    )
     try:
         _skeleton(load, design, attrs).to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
         with netCDF4.Dataset(tmp, "a") as nc:
+            if obs_units and "units" in nc.variables[obs_dim].ncattrs():
+                # xarray normalises the reference date's spelling; keep the input's.
+                nc.variables[obs_dim].units = obs_units
             sizes = {y_dim: ny, x_dim: nx, **{d: len(v) for d, v in nc.dimensions.items()}}
             first = {"solve": solve.tiles[0][1], "model": model.tiles[0][1]}
             for v in variables:
                 arr = first[v["src"][0]].array(v["src"][1])
-                for d, n in zip(v["dims"][:-2], arr.shape[:-2], strict=True):
+                if "fn" in v:
+                    arr = v["fn"](arr)
+                lead = arr.shape[:-2]
+                if "flat_from" in v:
+                    index = v["dims"][0]
+                    labels = [
+                        " ".join(f"{d}={i}" for d, i in zip(v["flat_from"], ix, strict=True))
+                        for ix in np.ndindex(*lead)
+                    ]
+                    lead = (len(labels),)
+                for d, n in zip(v["dims"][:-2], lead, strict=True):
                     if sizes.setdefault(d, n) != n:
                         raise ContractError(
                             f"dim {d!r} would have two sizes in the output ({sizes[d]} and {n})",
@@ -271,6 +531,18 @@ def write_netcdf(
                         )
                     if d not in nc.dimensions:
                         nc.createDimension(d, n)
+                if "flat_from" in v:
+                    coord = nc.createVariable(index, "i4", (index,))
+                    coord.long_name = f"position in the flattened dims of {v['name']}"
+                    coord.units = "1"
+                    coord[:] = np.arange(lead[0], dtype=np.int32)
+                    _label_var(
+                        nc,
+                        f"{v['name']}_label",
+                        index,
+                        labels,
+                        f"{', '.join(v['flat_from'])} of each element of {v['name']}",
+                    )
                 shape = [sizes[d] for d in v["dims"]]
                 fill = np.nan if arr.dtype.kind == "f" else None
                 var = nc.createVariable(  # type: ignore[call-overload]
@@ -289,6 +561,10 @@ def write_netcdf(
                 ys, xs = slice(tile.y0, tile.y1), slice(tile.x0, tile.x1)
                 for v in variables:
                     data = arts[v["src"][0]].array(v["src"][1])
+                    if "fn" in v:
+                        data = v["fn"](data)
+                    if "flat_from" in v:
+                        data = data.reshape(-1, *data.shape[-2:])
                     nc.variables[v["name"]][(..., ys, xs)] = data
         os.replace(tmp, final)
     except GridsolveError:
@@ -330,7 +606,12 @@ def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> St
         keys[kind] = art.key
     configs["write"] = config.key_payload()
     keys["write"] = ctx.key
-    attrs = provenance(configs, keys, inputs["load"].meta["content_hash"])
+    attrs = provenance(
+        configs,
+        keys,
+        inputs["load"].meta["content_hash"],
+        history=inputs["load"].meta.get("history", ""),
+    )
     path = write_netcdf(
         config, inputs["load"], inputs["design"], inputs["solve"], inputs["model"], attrs, ctx
     )
@@ -348,12 +629,31 @@ def still_valid(meta: Mapping[str, Any]) -> bool:
         return False
 
 
+def history_line(config_json: Mapping[str, Any]) -> str:
+    """The run's CF history line: gridsolve's version, the stages run, the config's hash.
+
+    No time and no command line: the same input and config give the same bytes.
+    """
+    version = package_versions().get("gridsolve", "unknown")
+    chain = " -> ".join(f"{kind}/{cfg.get('impl', '?')}" for kind, cfg in config_json.items())
+    digest = hash_text(canonical_json(dict(config_json)))
+    return f"gridsolve {version}: gridsolve run {chain} (config xxh3 {digest})"
+
+
 def provenance(
-    config_json: Mapping[str, Any], keys: Mapping[str, str], input_hash: str
+    config_json: Mapping[str, Any],
+    keys: Mapping[str, str],
+    input_hash: str,
+    history: str = "",
 ) -> dict[str, str]:
-    """Global attributes that let anyone trace and reproduce a file."""
+    """Global attributes that let anyone trace and reproduce a file.
+
+    ``history`` is the input's; this run's line is appended to it (CF 2.6.2).
+    """
+    line = history_line(config_json)
     return {
-        "Conventions": "CF-1.10",
+        "Conventions": CONVENTIONS,
+        "history": f"{history.rstrip()}\n{line}" if history.strip() else line,
         "title": "gridsolve per-pixel least squares and per-sample model gradients",
         "source": "gridsolve",
         "gridsolve_config": json.dumps(config_json, sort_keys=True),
@@ -373,6 +673,7 @@ register(
         inputs=("load", "design", "normal_equations", "solve", "model"),
         verify=still_valid,
         records_sources=True,
+        alignment=lambda cfg, grid: chunk_alignment(cfg, grid["y_dim"], grid["x_dim"]),
         summary="one NetCDF file, atomically",
     )
 )

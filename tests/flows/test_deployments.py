@@ -115,7 +115,15 @@ def test_a_schedule_fires_without_any_manual_trigger(
                 ]
                 time.sleep(2)
         finally:
-            client.delete_deployment_schedule(dep_id, schedule.id)
+            # A loaded 2-core machine can make the SQLite-backed server answer 503 briefly.
+            for attempt in range(5):
+                try:
+                    client.delete_deployment_schedule(dep_id, schedule.id)
+                    break
+                except Exception:
+                    if attempt == 4:
+                        raise
+                    time.sleep(3)
     assert done, "no scheduled run completed within 240 s"
     assert list(tmp_path.glob("out-*.nc"))
 

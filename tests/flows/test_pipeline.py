@@ -123,7 +123,27 @@ def test_plugin_design_is_chosen_by_config_in_the_flow(tmp_path: Path, write_cub
     finally:
         my_stage.uninstall()
     with xr.open_dataset(summary.output) as out:
-        assert list(out["coef"].values) == ["P0", "P1", "P2", "P3"]
+        assert list(out["coef_name"].values) == ["P0", "P1", "P2", "P3"]
+
+
+def test_plugin_tiled_solve_runs_through_the_flow(tmp_path: Path, write_cube: Any) -> None:
+    # tests/plugins/my_solve.py follows only the README's "a tiled kind" section
+    import my_solve
+
+    my_solve.install()
+    try:
+        cube = write_cube(make_ds(nan_fraction=0.1))
+        cfg = config(tmp_path, cube, execution={"tile_pixels": 12})
+        summary = run_config(cfg.model_copy(update={"solve": my_solve.NumpyLstsqSolve()}))
+    finally:
+        my_solve.uninstall()
+    assert summary.tiles > 1
+    assert summary.counts["solve"]["ok"] == 30
+    with xr.open_dataset(summary.output) as out, xr.open_dataset(cube) as src:
+        A, coef, data = out["design"].values, out["coefficients"].values, src["signal"].values
+    ok = np.isfinite(data[:, 2, 3])
+    expected = np.linalg.lstsq(A[ok], data[ok, 2, 3], rcond=None)[0]
+    np.testing.assert_allclose(coef[:, 2, 3], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_servers_listen_on_loopback_only(prefect_server: Any) -> None:

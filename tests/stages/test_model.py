@@ -474,3 +474,129 @@ def test_non_finite_outputs_are_not_ok(chain: Chain, grid: Path, tmp_path: Path)
     status = out["model_status"]
     np.testing.assert_array_equal(status[bad], MODEL_STATUS_CODES["output_not_finite"])
     assert (status[~bad] == MODEL_STATUS_CODES["ok"]).all()
+
+
+# ---------------------------------------------------------------- compiled and eager paths
+@pytest.fixture
+def fresh_kernels() -> Any:
+    """No compiled kernel carried over from another test (they are cached per process)."""
+    from gridsolve.stages.model import vmapped
+
+    vmapped._forget_compiled()
+    yield vmapped
+    vmapped._forget_compiled()
+
+
+def kernel_used(chain: Chain) -> str:
+    (run,) = chain.runs["model"]
+    return str(chain.ctx.store.get(run.ref.key).meta["kernel"])
+
+
+def test_compiled_gradients_equal_autograd_loop(
+    chain: Chain, grid: Path, fresh_kernels: Any
+) -> None:
+    cfg = MultidimLinearModel(input_dim=3, hidden_dim=2, output_dim=4, compile="always")
+    out = run_model(chain, grid, cfg)
+    assert kernel_used(chain) == "compiled"
+    X = pixels(out["coefficients"]).reshape(-1, 3, 2)
+    gw, gb, pred = pixels(out["grad:weight"]), pixels(out["grad:bias"]), pixels(out["prediction"])
+    module = build_module(cfg)
+    for p in range(X.shape[0]):
+        y = module(torch.from_numpy(X[p]))
+        w, b = torch.autograd.grad(y.sum(), [module.weight, module.bias])
+        np.testing.assert_allclose(gw[p], w.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(gb[p], b.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(pred[p], y.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_mse_input_gradients_and_jacobians_equal_autograd(
+    chain: Chain, write_cube: Any, fresh_kernels: Any
+) -> None:
+    ds = make_ds(n_obs=12, ny=6, nx=7)
+    ds["signal"][:, 0, 1] = np.nan  # a pixel without coefficients inside a compiled chunk
+    target = np.random.default_rng(5).standard_normal((2, 6, 7))
+    ds["t"] = (("out", "y", "x"), target)
+    kw: dict[str, Any] = {
+        "target": "my_models:TinyMLP",
+        "kwargs": {"n_in": 6},
+        "input_shape": (6,),
+        "objective": "mse",
+        "wrt": "both",
+        "jacobian": True,
+    }
+    path = write_cube(ds)
+    out = run_model(chain, path, ModuleModel(**kw, compile="always"), variable="signal", target="t")
+    assert kernel_used(chain) == "compiled"
+    assert out["model_status"][0, 1] == MODEL_STATUS_CODES["input_not_finite"]
+    assert all(np.isnan(out[k][..., 0, 1]).all() for k in out if k != "model_status")
+    module = build_module(ModuleModel(**kw))
+    check_against_oracle(
+        out, module, [p for p in range(42) if p != 1], target=pixels(target), jacobian=True
+    )
+    eager = run_model(
+        Chain(chain.ctx), path, ModuleModel(**kw, compile="never"), variable="signal", target="t"
+    )
+    from gridsolve.stages.engine.agreement import disagreements
+
+    assert disagreements(out, eager) == []  # within the project's agreement bound
+
+
+def test_compile_failure_falls_back_to_eager(
+    chain: Chain, grid: Path, fresh_kernels: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    def unavailable(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(torch, "compile", unavailable)
+    kw = {"input_dim": 3, "hidden_dim": 2, "output_dim": 4}
+    with caplog.at_level("WARNING", logger="gridsolve"):
+        out = run_model(chain, grid, MultidimLinearModel(**kw, compile="always"))
+    assert kernel_used(chain) == "eager"
+    assert "torch.compile failed, running eager" in caplog.text
+    assert "no C++ compiler here" in caplog.text
+    eager = run_model(Chain(chain.ctx), grid, MultidimLinearModel(**kw, compile="never"))
+    for k in out:
+        np.testing.assert_array_equal(out[k], eager[k])
+
+
+def test_compiled_kernel_that_disagrees_is_not_used(
+    chain: Chain, grid: Path, fresh_kernels: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    def wrong(fn: Any, **kwargs: Any) -> Any:
+        def run(*args: Any) -> Any:
+            flags = fn(*args)
+            args[-1]["prediction"].mul_(1.001)  # far beyond 64 ulp
+            return flags
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", wrong)
+    with caplog.at_level("WARNING", logger="gridsolve"):
+        run_model(chain, grid, MultidimLinearModel(input_dim=3, hidden_dim=2, compile="always"))
+    assert kernel_used(chain) == "eager"
+    assert "disagrees with eager beyond the agreement bound" in caplog.text
+    assert "prediction" in caplog.text
+
+
+def test_compile_is_speed_only(chain: Chain, grid: Path) -> None:
+    kw = {"input_dim": 3, "hidden_dim": 2, "output_dim": 4}
+    assert "compile" in MultidimLinearModel.speed_fields()
+    assert "compile" not in MultidimLinearModel(**kw, compile="always").key_payload()
+    run_model(chain, grid, MultidimLinearModel(**kw, compile="never"))
+    other = Chain(chain.ctx)
+    run_model(other, grid, MultidimLinearModel(**kw, compile="auto"))
+    assert chain.refs["model"].key == other.refs["model"].key
+
+
+def test_mostly_missing_tile_computes_only_valid_pixels(chain: Chain, write_cube: Any) -> None:
+    ds = make_ds(n_obs=12, ny=5, nx=6)
+    keep = np.zeros((5, 6), bool)
+    keep[1, 2] = keep[3, 0] = keep[4, 5] = True  # 3 of 30 pixels have data
+    ds["signal"].values[:, ~keep] = np.nan
+    cfg = ModuleModel(target="my_models:TinyMLP", kwargs={"n_in": 6}, input_shape=(6,), wrt="both")
+    out = run_model(chain, write_cube(ds), cfg)
+    assert (out["model_status"][~keep] == MODEL_STATUS_CODES["input_not_finite"]).all()
+    assert (out["model_status"][keep] == MODEL_STATUS_CODES["ok"]).all()
+    assert all(np.isnan(out[k][..., ~keep]).all() for k in out if k != "model_status")
+    flat = np.flatnonzero(keep.ravel())
+    check_against_oracle(out, build_module(cfg), flat)

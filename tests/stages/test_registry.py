@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import gridsolve.stages.engine.registry as registry
+from gridsolve.schemas import catalog
 from gridsolve.schemas.config import DEMO_DEFAULTS, NetCDFLoad, PipelineConfig, build_config
 from gridsolve.schemas.errors import ConfigError
 
@@ -62,7 +63,7 @@ def test_entry_point_plugin_is_loaded(tmp_path: Path, monkeypatch: pytest.Monkey
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(catalog, "_plugins_loaded", False)
     try:
         assert "legendre" in registry.implementations("design")
         cfg = build_config({**DEMO_DEFAULTS, "design": {"impl": "legendre"}})

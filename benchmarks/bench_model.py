@@ -1,0 +1,272 @@
+"""Per-sample gradients of the model stage vs the peers, side by side in one run (medians).
+
+The problem of issue 13: 250,000 pixels (500 × 500), the 10×10×4 multidim linear model
+(``tensordot(x, W, 2) + b``, x of 10 × 10 coefficients), sum objective, float32. Rows:
+
+loop       a Python loop of torch.autograd.grad, timed on --loop-pixels and extrapolated
+vmap       vmap(grad(...)) of the same single-sample model, written by hand
+backpack   BackPACK BatchGrad on the model rewritten by hand as nn.Linear(100, 4)
+opacus     Opacus GradSampleModule (loss_reduction="sum") on the same rewrite
+gridsolve  the model stage's tile function (stages/model/vmapped.py run_tile) on the
+           unmodified model, eager and compiled: compute only (its outputs are the
+           pixel-last arrays the store writes)
+store      the same through the runner (stages/engine/runner.run_tile): key, compute,
+           contract check, store write and read-back, on a fresh artifact each repeat
+
+Targets (issue 13): compute ≤ 1.5× BackPACK; incl. store ≤ 3× BackPACK; compute ≥ 100×
+faster than the loop. Peers come from the ``bench`` extra:
+``pip install -e '.[bench]'``.
+
+Usage: python benchmarks/bench_model.py [--size N] [--repeats R] [--loop-pixels P]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import gridsolve.stages  # noqa: F401  (registers the built-in implementations)
+from gridsolve.schemas.artifacts import Tile, TiledRef
+from gridsolve.schemas.config import (
+    LstsqSolve,
+    MultidimLinearModel,
+    NetCDFLoad,
+    RandomDesign,
+    SVDNormalEquations,
+)
+from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.runner import _open, prepare_stage, run_stage, run_tile
+from gridsolve.stages.engine.store import Store
+from gridsolve.stages.load.demo import make_cube, write_atomic
+from gridsolve.stages.model import vmapped
+
+from common import machine, table
+
+
+def timed(fn: Callable[[], Any], repeats: int, setup: Callable[[], None] | None = None) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up (``setup`` untimed)."""
+    if setup:
+        setup()
+    fn()
+    times = []
+    for _ in range(repeats):
+        if setup:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class Pipeline:
+    """load → design → normal_equations → solve on one tile, through the runner (no Prefect)."""
+
+    def __init__(self, folder: Path, n: int) -> None:
+        cube = write_atomic(make_cube(50, n, n, seed=0), folder / "cube.nc")
+        self.ctx = StageContext(store=Store(folder / "cache"), memory_budget=2**30)
+        self.refs: dict[str, Any] = {}
+        for kind, cfg in (
+            ("load", NetCDFLoad(path=str(cube), variable="signal")),
+            ("design", RandomDesign(coef=100, seed=0)),
+            ("normal_equations", SVDNormalEquations()),
+        ):
+            self.refs[kind] = run_stage(cfg, self.refs, self.ctx).ref
+        self.tile = Tile(index=0, y0=0, y1=n, x0=0, x1=n)
+        solve = LstsqSolve()
+        prep = prepare_stage(solve, self.refs, self.ctx)
+        tile = run_tile(solve, self.refs, prep.ref, self.tile, self.ctx)
+        self.refs["solve"] = TiledRef(
+            kind="solve",
+            impl=solve.impl,
+            key=prep.ref.meta["_stage_key"],
+            prepared=prep.ref,
+            tiles=(tile.ref,),
+        )
+
+    def tile_refs(self) -> dict[str, Any]:
+        return {**self.refs, "solve": self.refs["solve"].tiles[0]}
+
+    def coefficients(self) -> np.ndarray:
+        """(pixels, 10, 10) float32, pixel-first, as the peers take them."""
+        art = self.ctx.store.get(self.refs["solve"].tiles[0].key)
+        c = np.asarray(art.array("coefficients"), np.float32)
+        return np.ascontiguousarray(c.reshape(100, -1).T).reshape(-1, 10, 10)
+
+
+def linear_rewrite(weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
+    """The multidim linear model as nn.Linear(100, 4): the hand rewrite the peers need."""
+    lin = nn.Linear(100, 4)
+    with torch.no_grad():
+        lin.weight.copy_(weight.reshape(100, 4).T)
+        lin.bias.copy_(bias)
+    return lin
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--size", type=int, default=500, help="grid is size × size pixels")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--loop-pixels", type=int, default=2000)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    print(machine())
+    folder = Path(tempfile.mkdtemp(prefix="gridsolve-bench-model-"))
+    try:
+        run(folder, args.size, args.repeats, args.loop_pixels)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run(folder: Path, n: int, repeats: int, loop_pixels: int) -> None:
+    from backpack import backpack, extend
+    from backpack.extensions import BatchGrad
+    from opacus import GradSampleModule
+
+    pipe = Pipeline(folder, n)
+    X = torch.from_numpy(pipe.coefficients())
+    n_px = X.shape[0]
+    cfg = MultidimLinearModel(input_dim=10, hidden_dim=10, output_dim=4)
+    module = vmapped.build_module(cfg)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+
+    # ---- the loop, extrapolated
+    pick = torch.from_numpy(np.random.default_rng(0).choice(n_px, loop_pixels, replace=False))
+
+    def loop() -> None:
+        for i in pick:
+            torch.autograd.grad(module(X[i]).sum(), [module.weight, module.bias])
+
+    loop_s = timed(loop, max(1, repeats // 2)) * n_px / loop_pixels
+
+    # ---- vmap(grad) by hand
+    def objective(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = functional_call(module, p, (x,))
+        return out.sum()
+
+    hand = vmap(grad(objective), in_dims=(None, 0))
+    hand_s = timed(lambda: hand(params, X), repeats)
+    ref = hand(params, X)
+
+    # ---- BackPACK and Opacus on the nn.Linear rewrite
+    X2 = X.reshape(n_px, 100)
+    bp = extend(linear_rewrite(params["weight"], params["bias"]))
+
+    def backpack_grads() -> None:
+        bp.zero_grad()
+        with backpack(BatchGrad()):
+            bp(X2).sum().backward()
+
+    backpack_s = timed(backpack_grads, repeats)
+    bp_w = bp.weight.grad_batch.reshape(n_px, 4, 10, 10).permute(0, 2, 3, 1)
+    op = GradSampleModule(linear_rewrite(params["weight"], params["bias"]), loss_reduction="sum")
+
+    def opacus_grads() -> None:
+        op.zero_grad(set_to_none=True)
+        op(X2).sum().backward()
+
+    opacus_s = timed(opacus_grads, repeats)
+
+    # ---- gridsolve: the stage's tile function, then through the runner with the store
+    rows: list[tuple[str, float, str]] = []
+    stage: dict[str, float] = {}
+    results: dict[str, Any] = {}
+    inputs_refs = pipe.tile_refs()
+    for mode in ("never", "always"):
+        mcfg = cfg.model_copy(update={"compile": mode})
+        prep = prepare_stage(mcfg, inputs_refs, pipe.ctx)
+        prepared = pipe.ctx.store.get(prep.ref.key)
+        opened = {k: _open(inputs_refs[k], pipe.ctx.store) for k in ("load", "design", "solve")}
+        vmapped._forget_compiled()
+        t0 = time.perf_counter()
+        out = vmapped.run_tile(mcfg, opened, prepared, pipe.tile, pipe.ctx)
+        first = time.perf_counter() - t0
+        kernel = out.meta["kernel"]
+        results[mode] = out
+        stage[f"compute-{mode}"] = timed(
+            lambda mcfg=mcfg, opened=opened, prepared=prepared: vmapped.run_tile(
+                mcfg, opened, prepared, pipe.tile, pipe.ctx
+            ),
+            repeats,
+        )
+        key = run_tile(mcfg, inputs_refs, prep.ref, pipe.tile, pipe.ctx).ref.key
+
+        def fresh(key: str = key) -> None:
+            shutil.rmtree(pipe.ctx.store.path(key))
+
+        def through_runner(mcfg: MultidimLinearModel = mcfg, prep: Any = prep) -> None:
+            r = run_tile(mcfg, inputs_refs, prep.ref, pipe.tile, pipe.ctx, use_cache=False)
+            assert not r.hit
+
+        stage[f"store-{mode}"] = timed(through_runner, repeats, setup=fresh)
+        label = "compiled" if mode == "always" else "eager"
+        rows.append(
+            (
+                f"gridsolve compute, {label}",
+                stage[f"compute-{mode}"],
+                f"kernel: {kernel}; first call {first:.1f} s"
+                + (" (incl. torch.compile)" if mode == "always" else ""),
+            )
+        )
+        rows.append(
+            (
+                f"gridsolve incl. store, {label}",
+                stage[f"store-{mode}"],
+                "runner.run_tile, fresh artifact each repeat",
+            )
+        )
+
+    # ---- agreement of the gridsolve outputs with the peers
+    def pixel_first(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.moveaxis(a.reshape(*a.shape[:-2], -1), -1, 0))
+
+    agree = []
+    for mode, out in results.items():
+        gw = pixel_first(out.arrays["grad:weight"])
+        agree.append(
+            f"{mode}: max|Δ| vs vmap {float((gw - ref['weight']).abs().max()):.1e}, "
+            f"vs BackPACK {float((gw - bp_w).abs().max()):.1e}"
+        )
+
+    print(f"\n## per-sample gradients: {n}×{n} = {n_px:,} pixels, 10×10×4 model, sum objective")
+    print(
+        table(
+            [
+                ("autograd loop", loop_s, f"timed on {loop_pixels:,} pixels, extrapolated"),
+                ("vmap(grad) by hand", hand_s, "unmodified model, pixel-first"),
+                ("BackPACK BatchGrad", backpack_s, "nn.Linear(100, 4) rewrite"),
+                ("Opacus GradSampleModule", opacus_s, "nn.Linear(100, 4) rewrite"),
+                *rows,
+            ],
+            backpack_s,
+            "BackPACK",
+        )
+    )
+    print("agreement: " + "; ".join(agree))
+    best = min(stage["compute-never"], stage["compute-always"])
+    best_store = min(stage["store-never"], stage["store-always"])
+    verdicts = [
+        ("compute / BackPACK", best / backpack_s, 1.5, "≤"),
+        ("incl. store / BackPACK", best_store / backpack_s, 3.0, "≤"),
+        ("loop / compute", loop_s / best, 100.0, "≥"),
+    ]
+    for name, value, target, op_ in verdicts:
+        met = value <= target if op_ == "≤" else value >= target
+        print(f"{name} = {value:.2f}× (target {op_} {target:g}×: {'met' if met else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""The ``design`` contract: the design matrix shared by every pixel, float64."""
+
+from __future__ import annotations
+
+from gridsolve.schemas.contracts import ArraySpec
+from gridsolve.stages.engine.contract import KindContract, Meta, PartContract, add
+
+
+class DesignMeta(Meta):
+    """What later stages and the writer read about the design."""
+
+    coef: int
+    rank: int
+    cond: float
+    columns: list[str]
+
+
+CONTRACT = add(
+    KindContract(
+        kind="design",
+        tiled=False,
+        parts={
+            "whole": PartContract(
+                arrays={"A": ArraySpec(("obs", "coef"), "f", "design matrix, float64")},
+                meta=DesignMeta,
+            )
+        },
+        summary="the design matrix A (obs × coef)",
+    )
+)

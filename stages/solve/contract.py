@@ -1,0 +1,40 @@
+"""The ``solve`` contract: coefficients and diagnostics at every pixel, tile by tile."""
+
+from __future__ import annotations
+
+from gridsolve.schemas.contracts import ArraySpec
+from gridsolve.stages.engine.contract import KindContract, Meta, PartContract, add
+
+
+class SolvePrepared(Meta):
+    """The once-per-stage part: sizes every tile and the model stage rely on."""
+
+    coef: int
+    obs: int
+
+
+class SolveTile(Meta):
+    """Per-tile counts of each status (summed for the run summary)."""
+
+    status_counts: dict[str, int]
+
+
+CONTRACT = add(
+    KindContract(
+        kind="solve",
+        tiled=True,
+        parts={
+            "prepare": PartContract(meta=SolvePrepared),
+            "tile": PartContract(
+                arrays={
+                    "coefficients": ArraySpec(("coef", "y", "x"), "f", "fitted coefficients"),
+                    "residual_rms": ArraySpec(("y", "x"), "f", "RMS of the residuals"),
+                    "n_valid": ArraySpec(("y", "x"), "iu", "valid observations used"),
+                    "status": ArraySpec(("y", "x"), "iu", "solve status flag"),
+                },
+                meta=SolveTile,
+            ),
+        },
+        summary="least squares at every pixel",
+    )
+)

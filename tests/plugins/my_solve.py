@@ -1,0 +1,81 @@
+"""A tiled ``solve`` implementation from outside gridsolve, written from the README alone.
+
+``numpy_lstsq`` solves each pixel's valid rows with ``numpy.linalg.lstsq``
+(slow, simple, float64): what "Adding a stage implementation — a tiled kind"
+in the README describes, following stages/solve/contract.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import numpy as np
+
+from gridsolve.schemas.config import SolveConfig
+from gridsolve.stages.engine.blocks import read_block
+from gridsolve.stages.engine.registry import StageDecl, register, unregister
+from gridsolve.stages.engine.store import StageOutput
+
+OK, ALL_MISSING = 0, 1
+
+
+class NumpyLstsqSolve(SolveConfig):
+    """numpy.linalg.lstsq on each pixel's valid observations."""
+
+    impl: Literal["numpy_lstsq"] = "numpy_lstsq"
+
+
+def prepare(config: NumpyLstsqSolve, inputs: Mapping[str, Any], ctx: Any) -> StageOutput:
+    A = np.asarray(inputs["design"].array("A"))
+    return StageOutput(meta={"coef": int(A.shape[1]), "obs": int(A.shape[0])})
+
+
+def run_tile(
+    config: NumpyLstsqSolve,
+    inputs: Mapping[str, Any],
+    prepared: Any,
+    tile: Any,
+    ctx: Any,
+) -> StageOutput:
+    A = np.asarray(inputs["design"].array("A"), dtype=np.float64)
+    cube = read_block(inputs["load"], "cube", tile)  # (obs, rows, cols), through the load kind
+    _, ny, nx = cube.shape
+    coef = np.full((A.shape[1], ny, nx), np.nan)
+    rms = np.full((ny, nx), np.nan)
+    n_valid = np.isfinite(cube).sum(axis=0).astype(np.int32)
+    status = np.where(n_valid > 0, OK, ALL_MISSING).astype(np.int8)
+    for j in range(ny):
+        for i in range(nx):
+            ok = np.isfinite(cube[:, j, i])
+            if ok.any():
+                c = np.linalg.lstsq(A[ok], cube[ok, j, i], rcond=None)[0]
+                coef[:, j, i] = c
+                rms[j, i] = np.sqrt(np.mean((cube[ok, j, i] - A[ok] @ c) ** 2))
+    counts = {"ok": int((status == OK).sum()), "all_missing": int((status == ALL_MISSING).sum())}
+    return StageOutput(
+        arrays={"coefficients": coef, "residual_rms": rms, "n_valid": n_valid, "status": status},
+        meta={"status_counts": {k: v for k, v in counts.items() if v}},
+    )
+
+
+DECL = StageDecl(
+    kind="solve",
+    impl="numpy_lstsq",
+    version="1",
+    config=NumpyLstsqSolve,
+    run=run_tile,
+    prepare=prepare,
+    tiled=True,
+    inputs=("load", "design"),
+    pixel_bytes=lambda prepared: 8 * (2 * int(prepared["obs"]) + int(prepared["coef"]) + 2),
+    counts="status_counts",
+)
+
+
+def install() -> None:
+    register(DECL)
+
+
+def uninstall() -> None:
+    unregister("solve", "numpy_lstsq")

@@ -1,0 +1,207 @@
+"""One conformance suite per stage kind, run over every registered implementation.
+
+Each implementation of a kind is swapped into a small seeded pipeline (4
+coefficients, gaps, two tiles) and run through the same plan as the flow; the
+runner enforces the kind's contract (stages/<kind>/contract.py) on every
+output, and each kind's test checks its outputs against an independent oracle.
+Built-in implementations and the test plugins (tests/plugins/my_stage.py,
+my_solve.py) are
+collected alike; an implementation that is not constructible from defaults
+needs an entry in EXAMPLES.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import my_solve
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+from gridsolve.schemas.config import build_config
+from gridsolve.stages.engine.contract import contracts
+from gridsolve.stages.engine.registry import implementations
+
+import my_models
+import my_stage
+from testkit import make_ds, run_plan
+
+#: Configs of implementations that defaults cannot build, or that must give 4 coefficients.
+EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
+    ("design", "polynomial"): {"degree": 3},
+    ("design", "harmonic"): {"harmonics": 1},
+    ("design", "random"): {"coef": 4},
+    ("design", "legendre"): {"degree": 3},
+    ("design", "variable"): {},
+    ("solve", "lstsq"): {"dtype": "float64"},  # some designs here are beyond float32 (κ > 1e4)
+    ("model", "module"): {"target": "my_models:TinyMLP", "kwargs": {"n_in": 4}, "input_shape": [4]},
+    ("model", "multidim_linear"): {"input_dim": 2, "hidden_dim": 2, "output_dim": 3},
+}
+
+
+def _impls(kind: str) -> list[str]:
+    with _plugin():
+        return sorted(implementations(kind))
+
+
+class _plugin:
+    """The test plugin registered for the duration (left as found)."""
+
+    def __enter__(self) -> None:
+        self.design = "legendre" not in implementations("design")
+        self.solve = "numpy_lstsq" not in implementations("solve")
+        my_stage.install()
+        my_solve.install()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.design:
+            my_stage.uninstall()
+        if self.solve:
+            my_solve.uninstall()
+
+
+@pytest.fixture(autouse=True)
+def plugin() -> Iterator[None]:
+    with _plugin():
+        yield
+
+
+@pytest.fixture
+def cube(tmp_path: Path) -> Path:
+    ds = make_ds(n_obs=16, ny=6, nx=7, nan_fraction=0.1, seed=3)
+    n = ds.sizes["time"]
+    t = np.linspace(-1, 1, n)
+    ds["A"] = (("time", "col"), np.stack([np.ones(n), t, t**2, np.cos(3 * t)], axis=1))
+    ds = ds.assign_coords(col=["one", "t", "t2", "cos3t"])
+    path = tmp_path / "cube.nc"
+    ds.to_netcdf(path)
+    return path
+
+
+def _config(tmp_path: Path, cube: Path, kind: str, impl: str) -> dict[str, Any]:
+    """A small pipeline with ``kind`` implemented by ``impl``, the rest by defaults."""
+    load = {"path": str(cube), "variable": "signal", "design": "A"}
+    sections: dict[str, Any] = {
+        "load": load,
+        "design": {"impl": "polynomial", **EXAMPLES[("design", "polynomial")]},
+        "solve": {"impl": "lstsq", **EXAMPLES[("solve", "lstsq")]},
+        "model": {"impl": "multidim_linear", **EXAMPLES[("model", "multidim_linear")]},
+        "write": {"path": str(tmp_path / "out.nc")},
+        "cache": {"root": str(tmp_path / "cache")},
+    }
+    section = {"impl": impl, **EXAMPLES.get((kind, impl), {})}
+    if kind == "load":
+        section.update(load if impl != "demo" else {})
+    if kind == "write":
+        section["path"] = str(tmp_path / "out.nc")
+    sections[kind] = section
+    if (kind, impl) == ("load", "demo"):
+        sections["design"] = {"impl": "random", "coef": 4}
+    return sections
+
+
+def _run(tmp_path: Path, cube: Path, ctx: Any, kind: str, impl: str) -> tuple[Any, dict[str, Any]]:
+    cfg = build_config(_config(tmp_path, cube, kind, impl))
+    return cfg, run_plan(cfg.stage_configs(), ctx, tile_pixels=24)
+
+
+def test_every_kind_has_a_contract() -> None:
+    assert set(contracts()) == {"load", "design", "normal_equations", "solve", "model", "write"}
+
+
+@pytest.mark.parametrize("impl", _impls("load"))
+def test_load(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
+    _, refs = _run(tmp_path, cube, ctx, "load", impl)
+    meta = refs["load"].meta
+    art = ctx.store.get(refs["load"].key)
+    src = Path(meta["source"]["path"]) if "source" in meta else cube
+    with xr.open_dataset(src) as ds:
+        da = ds[meta["variable"]]
+        assert (meta["n_obs"], meta["ny"], meta["nx"]) == tuple(
+            da.sizes[d] for d in (meta["obs_dim"], meta["y_dim"], meta["x_dim"])
+        )
+        np.testing.assert_array_equal(art.array("y"), ds[meta["y_dim"]].values)
+    # the same content gives the same key
+    _, again = _run(tmp_path, cube, ctx, "load", impl)
+    assert again["load"].key == refs["load"].key
+
+
+@pytest.mark.parametrize("impl", _impls("design"))
+def test_design(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
+    _, refs = _run(tmp_path, cube, ctx, "design", impl)
+    A = np.asarray(ctx.store.get(refs["design"].key).array("A"))
+    meta = refs["design"].meta
+    assert A.shape == (refs["load"].meta["n_obs"], meta["coef"]) == (16, 4)
+    assert meta["rank"] == np.linalg.matrix_rank(A)
+    assert len(meta["columns"]) == meta["coef"]
+
+
+@pytest.mark.parametrize("impl", _impls("normal_equations"))
+def test_normal_equations(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
+    _, refs = _run(tmp_path, cube, ctx, "normal_equations", impl)
+    ne = ctx.store.get(refs["normal_equations"].key)
+    A = np.asarray(ctx.store.get(refs["design"].key).array("A"))
+    U, s, Vt, sqrtw = (np.asarray(ne.array(k)) for k in ("U", "s", "Vt", "sqrtw"))
+    np.testing.assert_allclose((U * s) @ Vt, A * sqrtw[:, None], atol=1e-12)
+    np.testing.assert_allclose(s, np.linalg.svd(A * sqrtw[:, None], compute_uv=False), rtol=1e-12)
+
+
+def _assemble(ctx: Any, ref: Any, name: str) -> np.ndarray:
+    blocks = [(t.tile, np.asarray(ctx.store.get(t.key).array(name))) for t in ref.tiles]
+    ny = max(t.y1 for t, _ in blocks)
+    nx = max(t.x1 for t, _ in blocks)
+    out = np.full((*blocks[0][1].shape[:-2], ny, nx), np.nan)
+    for t, b in blocks:
+        out[..., t.y0 : t.y1, t.x0 : t.x1] = b
+    return out
+
+
+@pytest.mark.parametrize("impl", _impls("solve"))
+def test_solve(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
+    _, refs = _run(tmp_path, cube, ctx, "solve", impl)
+    assert len(refs["solve"].tiles) > 1
+    coef = _assemble(ctx, refs["solve"], "coefficients")
+    A = np.asarray(ctx.store.get(refs["design"].key).array("A"))
+    with xr.open_dataset(cube) as ds:
+        data = ds["signal"].values
+    for j in range(data.shape[1]):
+        for i in range(data.shape[2]):
+            ok = np.isfinite(data[:, j, i])
+            expected = np.linalg.lstsq(A[ok], data[ok, j, i], rcond=None)[0]
+            np.testing.assert_allclose(coef[:, j, i], expected, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", _impls("model"))
+def test_model(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
+    cfg, refs = _run(tmp_path, cube, ctx, "model", impl)
+    coef = _assemble(ctx, refs["solve"], "coefficients")
+    pred = _assemble(ctx, refs["model"], "prediction")
+    from gridsolve.stages.model.vmapped import build_module, input_shape
+
+    module = build_module(cfg.model)
+    shape = input_shape(cfg.model)
+    for j, i in [(0, 0), (2, 3), (5, 6)]:
+        x = torch.from_numpy(coef[:, j, i].astype(np.float32)).reshape(shape)
+        with torch.no_grad():
+            expected = module(x).reshape(-1).numpy()
+        np.testing.assert_allclose(pred[:, j, i], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", _impls("write"))
+def test_write(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
+    _, refs = _run(tmp_path, cube, ctx, "write", impl)
+    out = Path(refs["write"].meta["path"])
+    coef = _assemble(ctx, refs["solve"], "coefficients")
+    with xr.open_dataset(out) as ds:
+        got = ds["coefficients"].values
+        np.testing.assert_array_equal(got, coef.astype(got.dtype))
+
+
+def test_the_suite_covers_plugins() -> None:
+    assert "legendre" in _impls("design")
+    assert "numpy_lstsq" in _impls("solve")
+    assert my_models.TinyMLP is not None

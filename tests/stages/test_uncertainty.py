@@ -1,0 +1,359 @@
+"""Per-pixel uncertainty of the solve (issue 15) against statsmodels, numpy.polyfit and xarray."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import statsmodels.api as sm
+
+from gridsolve.schemas.config import LstsqSolve, PolynomialDesign, RandomDesign
+from gridsolve.schemas.contracts import STATUS_CODES
+from gridsolve.stages.solve.lstsq import make_operator, solve_block
+
+from testkit import Chain, make_ds
+
+RANK_DEFICIENT, NO_DOF, NOT_SOLVED = 1, 2, 4
+
+
+def solve(
+    A: np.ndarray,
+    B: np.ndarray,
+    own: np.ndarray | None = None,
+    sqrtw: np.ndarray | None = None,
+    gaps: np.ndarray | None = None,
+    **cfg: Any,
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    config = LstsqSolve(**{"dtype": "float64", "uncertainty": "cov", **cfg})
+    op = make_operator(A, np.ones(A.shape[0]) if sqrtw is None else sqrtw, config)
+    out = solve_block(B, op, config, own_weights=own, gap_patterns=gaps)
+    return out.arrays, out.meta["paths"]
+
+
+def wls(A: np.ndarray, b: np.ndarray, w: np.ndarray | None = None, **fit: Any) -> Any:
+    """statsmodels on the pixel's valid rows (it detects an implicit constant itself)."""
+    w = np.ones(len(b)) if w is None else w
+    ok = np.isfinite(b) & (w > 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # rank-deficient designs are cases here, not mistakes
+        return sm.WLS(b[ok], A[ok], weights=w[ok]).fit(**fit)
+
+
+def assert_matches(out: dict[str, np.ndarray], j: int, res: Any, rtol: float = 1e-9) -> None:
+    np.testing.assert_allclose(out["coef_stderr"][:, j], res.bse, rtol=rtol)
+    np.testing.assert_allclose(out["t_value"][:, j], res.tvalues, rtol=rtol)
+    np.testing.assert_allclose(out["p_value"][:, j], res.pvalues, rtol=1e3 * rtol, atol=1e-12)
+    ref = res.cov_params()
+    np.testing.assert_allclose(out["coef_cov"][:, :, j], ref, rtol=rtol, atol=rtol * abs(ref).max())
+    assert out["dof"][j] == res.df_resid
+    np.testing.assert_allclose(out["r2"][j], res.rsquared, rtol=rtol)
+    assert out["uncertainty_flags"][j] == 0
+
+
+def close(a: np.ndarray, b: np.ndarray, rtol: float) -> None:
+    """Entries agree to ``rtol`` of the matrix's scale (off-diagonal zeros are rounding)."""
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.abs(b).max())
+
+
+def cube(n: int = 30, px: int = 120, nan: float = 0.0, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.linspace(-1, 1, n)[:, None]
+    B = 3.0 + 0.4 * t * rng.standard_normal(px) + 0.2 * rng.standard_normal((n, px))
+    B[rng.random(B.shape) < nan] = np.nan
+    return B
+
+
+POLY = np.vander(np.linspace(-1, 1, 30), 4, increasing=True)
+
+
+@pytest.mark.parametrize("policy", ["minnorm", "cholesky"])
+@pytest.mark.parametrize("case", ["shared", "gappy", "own_weights", "shared_weights"])
+def test_ols_and_wls_match_statsmodels_per_pixel(case: str, policy: str) -> None:
+    rng = np.random.default_rng(1)
+    B = cube(nan=0.0 if case == "shared" else 0.2)
+    own = rng.random(B.shape) + 0.1 if case == "own_weights" else None
+    w = np.linspace(0.2, 3.0, 30) if case == "shared_weights" else None
+    if w is not None:
+        B = cube()
+    out, paths = solve(POLY, B, own, None if w is None else np.sqrt(w), policy=policy)
+    assert paths["per_pixel" if case in ("gappy", "own_weights") else "shared"] > 0
+    for j in range(B.shape[1]):
+        assert_matches(out, j, wls(POLY, B[:, j], own[:, j] if own is not None else w))
+
+
+def test_gappy_pixels_match_numpy_polyfit_cov() -> None:
+    B = cube(nan=0.25, seed=3)
+    t = np.linspace(-1, 1, 30)
+    rng = np.random.default_rng(2)
+    own = rng.random(B.shape) + 0.1
+    for weights in (None, own):
+        out, _ = solve(POLY, B, weights)
+        for j in range(B.shape[1]):
+            ok = np.isfinite(B[:, j])
+            w = None if weights is None else np.sqrt(weights[ok, j])  # polyfit's w is 1/σ
+            c, cov = np.polyfit(t[ok], B[ok, j], 3, w=w, cov=True)
+            np.testing.assert_allclose(out["coefficients"][:, j], c[::-1], rtol=1e-9)
+            close(out["coef_cov"][:, :, j], cov[::-1, ::-1], 1e-9)
+            unscaled = np.polyfit(t[ok], B[ok, j], 3, w=w, cov="unscaled")[1]
+            out_u, _ = solve(
+                POLY,
+                B[:, j : j + 1],
+                None if weights is None else own[:, j : j + 1],
+                cov_scale="unscaled",
+            )
+            close(out_u["coef_cov"][:, :, 0], unscaled[::-1, ::-1], 1e-9)
+
+
+def test_unscaled_matches_statsmodels_fixed_scale_with_normal_p_values() -> None:
+    B = cube(nan=0.2, seed=4)
+    own = np.random.default_rng(5).random(B.shape) + 0.5
+    out, _ = solve(POLY, B, own, cov_scale="unscaled")
+    for j in range(B.shape[1]):
+        res = wls(POLY, B[:, j], own[:, j], cov_type="fixed scale")
+        np.testing.assert_allclose(out["coef_stderr"][:, j], res.bse, rtol=1e-9)
+        np.testing.assert_allclose(out["p_value"][:, j], res.pvalues, rtol=1e-6, atol=1e-14)
+        assert out["dof"][j] == res.df_resid
+
+
+def test_shared_gap_pattern_path() -> None:
+    from gridsolve.stages.load.patterns import common_patterns, full_hash, pattern_hash
+
+    B = cube(px=200)
+    B[[3, 17], :] = np.nan  # two time steps missing everywhere: one pattern
+    gaps = common_patterns(pattern_hash(np.isfinite(B)), full_hash(30))
+    out, paths = solve(POLY, B, gaps=gaps)
+    assert paths["pattern"] == 200
+    for j in range(0, 200, 7):
+        assert_matches(out, j, wls(POLY, B[:, j]))
+
+
+def test_ill_conditioned_design() -> None:
+    t = np.linspace(100.0, 140.0, 30)
+    A = np.vander(t, 4, increasing=True)  # unscaled: κ ≈ 2e9
+    rng = np.random.default_rng(6)
+    B = 1 + 0.01 * t[:, None] + 0.1 * rng.standard_normal((30, 60))
+    B[rng.random(B.shape) < 0.2] = np.nan
+    for weights in (None, rng.random(B.shape) + 0.2):
+        out, _ = solve(A, B, weights)
+        for j in range(60):
+            w = None if weights is None else weights[:, j]
+            ok = np.isfinite(B[:, j])
+            # float64 oracles: polyfit (scales its columns), statsmodels in a scaled basis
+            _, cov = np.polyfit(
+                t[ok], B[ok, j], 3, w=None if w is None else np.sqrt(w[ok]), cov=True
+            )
+            res = wls(np.vander((t - 120) / 20, 4, increasing=True), B[:, j], w)
+            assert out["dof"][j] == res.df_resid
+            np.testing.assert_allclose(out["r2"][j], res.rsquared, rtol=1e-9)
+            # the leading coefficient is the same in both bases, up to 20³
+            np.testing.assert_allclose(out["coef_stderr"][3, j], np.sqrt(cov[0, 0]), rtol=1e-5)
+            np.testing.assert_allclose(out["coef_stderr"][3, j] * 20**3, res.bse[3], rtol=1e-5)
+            np.testing.assert_allclose(out["p_value"][3, j], res.pvalues[3], rtol=1e-4)
+
+
+def test_r2_is_uncentred_without_a_constant_in_the_span() -> None:
+    rng = np.random.default_rng(7)
+    A = rng.standard_normal((30, 3))  # no constant column, none in the span
+    B = cube(nan=0.2, seed=8)
+    out, _ = solve(A, B)
+    for j in range(B.shape[1]):
+        res = wls(A, B[:, j])
+        assert res.k_constant == 0
+        assert_matches(out, j, res)
+    # …but a subset of rows on which a column is constant is centred, as statsmodels finds
+    A2 = A.copy()
+    A2[:15, 0] = 1.0
+    B2 = cube(px=4, seed=9)
+    B2[15:, :] = np.nan
+    out2, _ = solve(A2, B2)
+    for j in range(4):
+        res = wls(A2, B2[:, j])
+        assert res.k_constant == 1
+        np.testing.assert_allclose(out2["r2"][j], res.rsquared, rtol=1e-9)
+
+
+def test_rank_deficient_minnorm_is_flagged_and_nan_where_not_identifiable() -> None:
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((12, 4))
+    A[:, 3] = A[:, 0] + A[:, 1]  # c0, c1, c3 are not identifiable; c2 is
+    B = cube(n=12, px=40, seed=10)
+    for nan in (0.0, 0.2):
+        Bn = B.copy()
+        Bn[np.random.default_rng(11).random(B.shape) < nan] = np.nan
+        out, _ = solve(A, Bn)
+        solved = out["n_valid"] >= 4
+        assert (out["uncertainty_flags"][solved] & RANK_DEFICIENT).all()
+        assert np.isnan(out["coef_stderr"][[0, 1, 3]][:, solved]).all()
+        for j in np.flatnonzero(solved):
+            res = wls(A, Bn[:, j])  # pinv: numbers for every coefficient, meaningful for c2
+            assert out["dof"][j] == res.df_resid == out["n_valid"][j] - 3
+            np.testing.assert_allclose(out["coef_stderr"][2, j], res.bse[2], rtol=1e-8)
+            np.testing.assert_allclose(out["p_value"][2, j], res.pvalues[2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("nan", [0.0, 0.2])
+def test_coef_above_obs_minnorm_has_no_dof_and_no_identifiable_coefficient(nan: float) -> None:
+    A = np.random.default_rng(0).standard_normal((12, 20))
+    B = cube(n=12, px=30, nan=nan, seed=12)
+    out, _ = solve(A, B)
+    solved = out["n_valid"] > 0
+    assert (out["dof"][solved] == 0).all()
+    assert (out["uncertainty_flags"][solved] == RANK_DEFICIENT | NO_DOF).all()
+    assert np.isnan(out["coef_stderr"]).all() and np.isnan(out["p_value"]).all()
+    np.testing.assert_allclose(out["r2"][solved], 1.0, atol=1e-9)  # an exact fit
+
+
+def ridge_oracle(X: np.ndarray, y: np.ndarray, lam: float) -> tuple[np.ndarray, float]:
+    """σ²(XᵀX+λI)⁻¹XᵀX(XᵀX+λI)⁻¹ with σ² = RSS/(n − tr H): the documented ridge covariance."""
+    M = np.linalg.inv(X.T @ X + lam * np.eye(X.shape[1]))
+    c = M @ X.T @ y
+    edf = np.trace(X @ M @ X.T)
+    dof = len(y) - edf
+    s2 = np.sum((y - X @ c) ** 2) / dof
+    return s2 * M @ X.T @ X @ M, dof
+
+
+@pytest.mark.parametrize("coef", [4, 20])  # primal and dual per-pixel forms
+@pytest.mark.parametrize("nan", [0.0, 0.2])
+def test_ridge_covariance_is_the_sandwich(coef: int, nan: float) -> None:
+    rng = np.random.default_rng(13)
+    n = 12
+    A = rng.standard_normal((n, coef))
+    B = cube(n=n, px=30, nan=nan, seed=14)
+    own = rng.random(B.shape) + 0.2
+    for weights in (None, own):
+        out, _ = solve(A, B, weights, policy="ridge", ridge=0.3)
+        for j in range(B.shape[1]):
+            ok = np.isfinite(B[:, j])
+            s = np.ones(ok.sum()) if weights is None else np.sqrt(weights[ok, j])
+            cov, dof = ridge_oracle(A[ok] * s[:, None], B[ok, j] * s, 0.3)
+            np.testing.assert_allclose(out["dof"][j], dof, rtol=1e-9)
+            close(out["coef_cov"][:, :, j], cov, 1e-7)
+            assert out["uncertainty_flags"][j] == 0
+
+
+def test_cholesky_fallback_pixel_is_flagged_rank_deficient() -> None:
+    A = np.random.default_rng(4).standard_normal((12, 3))
+    A[6:, 2] = 0.0
+    B = cube(n=12, px=3, seed=15)
+    B[:6, 0] = np.nan  # pixel 0 cannot see column 2
+    out, _ = solve(A, B, policy="cholesky", min_valid=3)
+    assert out["uncertainty_flags"][0] == RANK_DEFICIENT
+    assert np.isnan(out["coef_stderr"][2, 0]) and np.isfinite(out["coef_stderr"][:2, 0]).all()
+    res = wls(A, B[:, 0])
+    np.testing.assert_allclose(out["coef_stderr"][:2, 0], res.bse[:2], rtol=1e-8)
+    assert out["dof"][0] == 6 - 2
+    for j in (1, 2):
+        assert_matches(out, j, wls(A, B[:, j]))
+
+
+def test_unsolved_pixels_are_nan_and_flagged() -> None:
+    B = cube(px=3)
+    B[:, 0] = np.nan
+    B[:-2, 1] = np.nan
+    out, _ = solve(POLY, B, policy="cholesky")
+    assert out["status"][0] == STATUS_CODES["all_missing"]
+    assert (out["uncertainty_flags"][:2] == NOT_SOLVED).all()
+    for k in ("coef_stderr", "t_value", "p_value", "dof", "r2", "coef_cov"):
+        assert np.isnan(out[k][..., :2]).all(), k
+
+
+def test_none_writes_nothing_new_and_stderr_no_covariance() -> None:
+    B = cube(nan=0.2)
+    out, _ = solve(POLY, B, uncertainty="none")
+    assert set(out) == {"coefficients", "residual_rms", "n_valid", "status"}
+    out, _ = solve(POLY, B, uncertainty="stderr")
+    assert "coef_cov" not in out and "coef_stderr" in out
+
+
+def test_float32_close_to_float64() -> None:
+    B = cube(nan=0.2).astype(np.float32)
+    o32, _ = solve(POLY, B, dtype="float32")
+    o64, _ = solve(POLY, B.astype(np.float64))
+    for k in ("coef_stderr", "t_value", "r2"):
+        np.testing.assert_allclose(o32[k], o64[k], rtol=1e-4)
+
+
+def test_stage_matches_xarray_polyfit_cov_on_gap_free_pixels(chain: Chain, write_cube: Any) -> None:
+    from gridsolve.schemas.config import NetCDFLoad, SVDNormalEquations
+
+    ds = make_ds(n_obs=40, ny=6, nx=6, nan_fraction=0.2, datetime_obs=False)
+    ds["signal"][:, :2, :] = make_ds(n_obs=40, ny=6, nx=6, datetime_obs=False)["signal"][:, :2, :]
+    chain.whole("load", NetCDFLoad(path=str(write_cube(ds))))
+    chain.whole("design", PolynomialDesign(degree=3, scale=False))
+    chain.whole("normal_equations", SVDNormalEquations())
+    art = chain.tiled("solve", LstsqSolve(dtype="float64", uncertainty="cov"))[0]
+    fit = ds["signal"][:, :2, :].polyfit("time", 3, cov=True)
+    ref = fit["polyfit_covariance"].values[::-1, ::-1]  # highest degree first
+    close(art.array("coef_cov")[:, :, :2, :], ref, 1e-8)
+    assert (art.array("dof")[:2] == 36).all()
+
+
+def test_stage_on_a_random_design_above_obs(chain: Chain, write_cube: Any) -> None:
+    from gridsolve.schemas.config import NetCDFLoad, SVDNormalEquations
+
+    ds = make_ds(n_obs=12, ny=3, nx=3)
+    chain.whole("load", NetCDFLoad(path=str(write_cube(ds))))
+    chain.whole("design", RandomDesign(coef=20))
+    chain.whole("normal_equations", SVDNormalEquations())
+    art = chain.tiled("solve", LstsqSolve(uncertainty="stderr"))[0]
+    assert art.array("coef_stderr").shape == (20, 3, 3)
+    assert (art.array("uncertainty_flags") == RANK_DEFICIENT | NO_DOF).all()
+
+
+@pytest.mark.parametrize("mode", ["stderr", "cov"])
+def test_written_with_cf_attributes_and_tiles_agree(
+    chain: Chain, ctx: Any, write_cube: Any, tmp_path: Any, mode: str
+) -> None:
+    import xarray as xr
+
+    from gridsolve.schemas.artifacts import Tile
+    from gridsolve.schemas.config import (
+        MultidimLinearModel,
+        NetCDFLoad,
+        NetCDFWrite,
+        SVDNormalEquations,
+    )
+    from gridsolve.stages.engine.agreement import disagreements
+    from gridsolve.stages.solve.lstsq import UNCERTAINTY_FLAGS
+
+    from testkit import CONTRACT
+
+    path = write_cube(make_ds(n_obs=14, ny=5, nx=4, nan_fraction=0.2))
+    results = []
+    for c, tiles in (
+        (chain, None),
+        (
+            Chain(ctx),
+            [Tile(index=0, y0=0, y1=2, x0=0, x1=4), Tile(index=1, y0=2, y1=5, x0=0, x1=4)],
+        ),
+    ):
+        c.whole("load", NetCDFLoad(path=str(path)))
+        c.whole("design", PolynomialDesign(degree=3))
+        c.whole("normal_equations", SVDNormalEquations())
+        c.tiled("solve", LstsqSolve(uncertainty=mode), tiles)
+        c.tiled("model", MultidimLinearModel(input_dim=2, hidden_dim=2, output_dim=3), tiles)
+        out = tmp_path / f"out{len(results)}.nc"
+        c.whole("write", NetCDFWrite(path=str(out)))
+        results.append(xr.open_dataset(out))
+    ds = results[0]
+    new = {"coef_stderr", "t_value", "p_value", "dof", "r2", "uncertainty_flags"}
+    new |= {"coef_cov"} if mode == "cov" else set()
+    assert CONTRACT | new <= set(ds.data_vars)
+    for name in ("coef_stderr", "t_value", "p_value"):
+        assert ds[name].dims == ("coef", "y", "x") and ds[name].attrs["long_name"]
+    for name in ("t_value", "p_value", "dof", "r2"):
+        assert ds[name].attrs["units"] == "1"
+    if mode == "cov":
+        assert ds["coef_cov"].dims == ("coef", "coef2", "y", "x")
+        diag = np.sqrt(np.einsum("iiyx->iyx", ds["coef_cov"].values))
+        np.testing.assert_allclose(diag, ds["coef_stderr"].values, rtol=1e-5)
+    flags = ds["uncertainty_flags"].attrs
+    assert flags["flag_meanings"].split() == [
+        UNCERTAINTY_FLAGS[k] for k in sorted(UNCERTAINTY_FLAGS)
+    ]
+    assert (ds["dof"].values == ds["n_valid"].values - 4).all()
+    arrays = [{k: d[k].values for k in new} for d in results]
+    assert not disagreements(arrays[1], arrays[0])
