@@ -20,8 +20,6 @@ from typing import Any
 import numpy as np
 import xxhash
 
-KEY_LENGTH = 32
-
 
 def canonical_json(obj: Any) -> str:
     """JSON with sorted keys and fixed separators: equal values give equal text."""

@@ -17,21 +17,12 @@ from collections.abc import Mapping
 import numpy as np
 
 from gridsolve.schemas.config import SVDNormalEquations
-from gridsolve.schemas.contracts import ArraySpec
 from gridsolve.stages.design.builtin import conditioning
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
 
 VERSION = "1"
-
-OUTPUTS = {
-    "gram": ArraySpec(("coef", "coef2"), "f"),
-    "U": ArraySpec(("obs", "k"), "f"),
-    "s": ArraySpec(("k",), "f"),
-    "Vt": ArraySpec(("k", "coef"), "f"),
-    "sqrtw": ArraySpec(("obs",), "f"),
-}
 
 
 def run(
@@ -48,7 +39,7 @@ def run(
     Aw = A * sqrtw[:, None]
     U, s, Vt = np.linalg.svd(Aw, full_matrices=False)
     return StageOutput(
-        arrays={"gram": Aw.T @ Aw, "U": U, "s": s, "Vt": Vt, "sqrtw": sqrtw},
+        arrays={"U": U, "s": s, "Vt": Vt, "sqrtw": sqrtw},
         meta={"weighted": "weights" in load, **conditioning(Aw)},
     )
 
@@ -61,7 +52,6 @@ register(
         config=SVDNormalEquations,
         run=run,
         inputs=("design", "load"),
-        outputs=OUTPUTS,
-        summary="float64 Gram matrix and SVD of the shared design",
+        summary="float64 SVD of the (weighted) shared design",
     )
 )
