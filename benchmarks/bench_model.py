@@ -39,13 +39,11 @@ from torch.func import functional_call, grad, vmap
 
 import gridsolve.stages  # noqa: F401  (registers the built-in implementations)
 from gridsolve.schemas.artifacts import Tile, TiledRef
-from gridsolve.schemas.config import (
-    LstsqSolve,
-    MultidimLinearModel,
-    NetCDFLoad,
-    RandomDesign,
-    SVDNormalEquations,
-)
+from gridsolve.schemas.kinds.design import RandomDesign
+from gridsolve.schemas.kinds.load import NetCDFLoad
+from gridsolve.schemas.kinds.model import MultidimLinearModel
+from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
+from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.runner import _open, prepare_stage, run_stage, run_tile
 from gridsolve.stages.engine.store import Store

@@ -32,6 +32,7 @@ import xarray as xr
 import yaml
 
 from gridsolve.flows.localserver import LocalServer
+from gridsolve.schemas.pipeline import DEMO_DEFAULTS
 from gridsolve.stages.load.demo import make_cube, write_atomic
 
 from common import machine
@@ -51,8 +52,8 @@ def write_cube(path: Path, n: int, nan_fraction: float = 0.0) -> Path:
 def config(folder: Path, cube: Path, budget: str, **over: Any) -> Path:
     raw: dict[str, Any] = {
         "load": {"path": str(cube), "variable": "signal"},
-        "design": {"impl": "random", "coef": 100, "seed": 0},
-        "model": {"impl": "multidim_linear", "input_dim": 10, "hidden_dim": 10, "output_dim": 4},
+        "design": DEMO_DEFAULTS["design"],
+        "model": DEMO_DEFAULTS["model"],
         "write": {"path": str(folder / "out.nc")},
         "cache": {"root": str(folder / "cache")},
         "execution": {"memory_budget": budget},

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import xarray as xr
 
-from gridsolve.schemas.config import LstsqSolve
+from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.load.patterns import common_patterns, full_hash, pattern_hash
 from gridsolve.stages.solve.lstsq import SharedOperator, make_operator, solve_block
 

@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     sub.add_parser("schema", help="print the JSON schema of the config")
+    sub.add_parser(
+        "stages", help="list the stage kinds in run order and the implementations of each"
+    )
 
     srv = sub.add_parser("server", help="start a local Prefect server (UI and API) on 127.0.0.1")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -175,16 +178,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _demo_config() -> dict[str, Any]:
+    """The embedded default run reading the demo cube from a file (`gridsolve demo` writes it)."""
+    from gridsolve.schemas.pipeline import DEMO, section
+
     return {
         "load": {"impl": "netcdf", "path": "demo.nc", "variable": "signal"},
-        "design": {"impl": "random", "coef": 100, "seed": 0},
+        "design": section(DEMO.design),
         "solve": {
             "impl": "lstsq",
             "policy": "minnorm",
             "dtype": "float32",
             "uncertainty": "stderr",
         },
-        "model": {"impl": "multidim_linear", "input_dim": 10, "hidden_dim": 10, "output_dim": 4},
+        "model": section(DEMO.model),
         "write": {"impl": "netcdf", "path": "output.nc"},
         "cache": {"root": ".cache"},
     }
@@ -238,7 +244,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _run(config_path: Path, overrides: Sequence[str], debug: bool = False) -> int:
     from gridsolve.flows.failures import install
     from gridsolve.flows.pipeline import run_config
-    from gridsolve.schemas.config import load_config
+    from gridsolve.schemas.reading import load_config
 
     if not debug:
         install(cli=True)  # main() prints a user error; Prefect's console log must not repeat it
@@ -259,7 +265,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Validate a config; open the input to check its structure."""
-    from gridsolve.schemas.config import NetCDFLoad, config_to_yaml, load_config
+    from gridsolve.schemas.kinds.load import NetCDFLoad
+    from gridsolve.schemas.reading import config_to_yaml, load_config
     from gridsolve.stages.load.netcdf import open_netcdf
 
     cfg = load_config(args.config, args.overrides)
@@ -272,9 +279,26 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_schema(args: argparse.Namespace) -> int:
     """Print the config's JSON schema."""
-    from gridsolve.schemas.config import PipelineConfig
+    from gridsolve.schemas.pipeline import PipelineConfig
 
     print(json.dumps(PipelineConfig.model_json_schema(), indent=2))
+    return 0
+
+
+def cmd_stages(args: argparse.Namespace) -> int:
+    """Print each stage kind (what it makes) and its registered implementations, plugins too."""
+    from gridsolve.schemas.pipeline import DEFAULT_IMPL, STAGE_KINDS
+    from gridsolve.stages.engine.contract import contract_of
+    from gridsolve.stages.engine.registry import implementations
+
+    for kind in STAGE_KINDS:
+        contract = contract_of(kind)
+        made = f": {contract.summary}" if contract and contract.summary else ""
+        how = "tile by tile" if contract and contract.tiled else "whole"
+        print(f"{kind} ({how}){made}")
+        for impl, decl in sorted(implementations(kind).items()):
+            mark = " (default)" if DEFAULT_IMPL.get(kind) == impl else ""
+            print(f"  {impl}{mark}: {decl.summary or decl.config.__doc__ or ''}".rstrip())
     return 0
 
 
@@ -283,6 +307,7 @@ COMMANDS = {
     "run": cmd_run,
     "validate": cmd_validate,
     "schema": cmd_schema,
+    "stages": cmd_stages,
     "server": cmd_server,
     "deploy": cmd_deploy,
     "worker": cmd_worker,

@@ -36,28 +36,25 @@ from gridsolve.flows.failures import install as install_failure_logging
 from gridsolve.flows.failures import noting_user_errors
 from gridsolve.flows.quicklook import markdown as quicklook_markdown
 from gridsolve.flows.quicklook import write_quicklook
+from gridsolve.schemas import templating
 from gridsolve.schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
-from gridsolve.schemas.config import (
-    CacheConfig,
-    DemoLoad,
+from gridsolve.schemas.base import StageConfig
+from gridsolve.schemas.errors import GridsolveError, is_transient
+from gridsolve.schemas.execution import CacheConfig, ExecutionConfig
+from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
+from gridsolve.schemas.kinds.solve import LstsqSolve
+from gridsolve.schemas.kinds.write import NetCDFWrite
+from gridsolve.schemas.pipeline import (
+    DEMO,
     DesignField,
-    ExecutionConfig,
     LoadField,
-    LstsqSolve,
     ModelField,
-    MultidimLinearModel,
-    NetCDFWrite,
     NormalEquationsField,
     PipelineConfig,
-    RandomDesign,
     SolveField,
-    StageConfig,
-    SVDNormalEquations,
     WriteField,
     build_config,
-    render_template,
 )
-from gridsolve.schemas.errors import GridsolveError, is_transient
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.plan import (
     Plan,
@@ -262,20 +259,14 @@ def _row(
 # ---------------------------------------------------------------- templating
 def template_values() -> dict[str, str]:
     """Values for ``{date}``-style placeholders, from the current flow run."""
-    now = datetime.now(UTC)
     scheduled = rt_flow_run.scheduled_start_time
-    try:
-        sched = scheduled.astimezone(UTC) if scheduled is not None else now
-    except Exception:
-        sched = now
-    return {
-        "date": now.strftime("%Y-%m-%d"),
-        "scheduled_date": sched.strftime("%Y-%m-%d"),
-        "scheduled_time": sched.strftime("%Y%m%dT%H%M%SZ"),
-        "flow_run_name": str(rt_flow_run.name or "local"),
-        "flow_run_id": str(rt_flow_run.id or "local"),
-        "deployment": str(rt_deployment.name or "local"),
-    }
+    return templating.template_values(
+        now=datetime.now(UTC),
+        scheduled=scheduled if isinstance(scheduled, datetime) else None,
+        flow_run_name=rt_flow_run.name,
+        flow_run_id=str(rt_flow_run.id) if rt_flow_run.id else None,
+        deployment=rt_deployment.name,
+    )
 
 
 def render_paths(cfg: PipelineConfig, values: Mapping[str, str]) -> PipelineConfig:
@@ -284,7 +275,9 @@ def render_paths(cfg: PipelineConfig, values: Mapping[str, str]) -> PipelineConf
     for kind, conf in cfg.stage_configs().items():
         path = getattr(conf, "path", None)
         if isinstance(path, str) and "{" in path:
-            updates[kind] = conf.model_copy(update={"path": render_template(path, values)})
+            updates[kind] = conf.model_copy(
+                update={"path": templating.render_template(path, values)}
+            )
     return cfg.model_copy(update=updates) if updates else cfg
 
 
@@ -334,6 +327,60 @@ def _plan(cfg: PipelineConfig) -> Plan:
     return build_plan(cfg.stage_configs())
 
 
+@dataclass
+class _Progress:
+    """The tiles-done progress artifact and log lines of one tile phase."""
+
+    artifact: UUID
+    total: int
+    done: int = 0
+
+    def one_more(self, kind: str) -> None:
+        """Count one finished tile of stage ``kind``."""
+        self.done += 1
+        update_progress_artifact(self.artifact, progress=100.0 * self.done / self.total)
+        if self.total > 2 and (
+            self.done % max(1, self.total // 20) == 0 or self.done == self.total
+        ):
+            get_run_logger().info("tiles %d/%d done (%s)", self.done, self.total, kind)
+
+
+def _window(execution: ExecutionConfig) -> int:
+    """How many tile tasks to keep submitted at once."""
+    # Threads: max_workers tiles at a time. Dask: each worker runs one tile at a time,
+    # so keep every worker busy (an existing cluster may have many).
+    if execution.runner == "threads":
+        return execution.max_workers
+    return max(64, 4 * execution.dask_workers)
+
+
+def _stage_tiles(
+    step: Step,
+    prep: PreparedStage,
+    tiles: list[Tile],
+    upstream: tuple[dict[str, Ref], dict[str, dict[int, ArtifactRef]]],
+    cfg: PipelineConfig,
+    progress: _Progress,
+) -> tuple[dict[int, ArtifactRef], list[bool]]:
+    """Run (or reuse) every tile of one tiled stage: refs by tile index, and hits."""
+    refs, tile_refs = upstream
+    task_fn = tile_task.with_options(name=f"{step.kind}-tile", **task_options(cfg.cache))
+
+    def submit(tile: Tile) -> Any:
+        named = task_fn.with_options(task_run_name=f"{step.kind}-tile-{tile.index}")
+        inputs = tile_inputs(step, refs, tile_refs, tile)
+        return named.submit(step.config, inputs, prep.run.ref, tile, cfg.cache, cfg.execution)
+
+    hits: list[bool] = [prep.hit]
+    by_index: dict[int, ArtifactRef] = {}
+    for tile, fut in completed_in_window(tiles, submit, _window(cfg.execution)):
+        run = fut.result()
+        by_index[tile.index] = run.ref
+        hits.append(_hit(fut.state, run))
+        progress.one_more(step.kind)
+    return by_index, hits
+
+
 def run_tiles(
     cfg: PipelineConfig,
     refs: dict[str, Ref],
@@ -347,49 +394,15 @@ def run_tiles(
     out_refs: dict[str, TiledRef] = {}
     rows: list[StageSummary] = []
     counts: dict[str, dict[str, int]] = {}
-    cache, execution = cfg.cache, cfg.execution
-    opts = task_options(cache)
-    # Threads: max_workers tiles at a time. Dask: each worker runs one tile at a time,
-    # so keep every worker busy (an existing cluster may have many).
-    window = (
-        execution.max_workers
-        if execution.runner == "threads"
-        else max(64, 4 * execution.dask_workers)
-    )
     names = " and ".join(s.kind for s in plan.tiled)
-    progress = create_progress_artifact(progress=0.0, description=f"tiles done ({names})")
-    assert isinstance(progress, UUID)
-    total = len(plan.tiled) * len(tiles)
-    done = 0
+    artifact = create_progress_artifact(progress=0.0, description=f"tiles done ({names})")
+    assert isinstance(artifact, UUID)
+    progress = _Progress(artifact, total=len(plan.tiled) * len(tiles))
     tile_refs: dict[str, dict[int, ArtifactRef]] = {}
     for step in plan.tiled:
         prep = prepared[step.kind]
         t0 = time.perf_counter()
-        task_fn = tile_task.with_options(name=f"{step.kind}-tile", **opts)
-
-        def submit(
-            tile: Tile, step: Step = step, task_fn: Any = task_fn, prep: PreparedStage = prep
-        ) -> Any:
-            named = task_fn.with_options(task_run_name=f"{step.kind}-tile-{tile.index}")
-            return named.submit(
-                step.config,
-                tile_inputs(step, refs, tile_refs, tile),
-                prep.run.ref,
-                tile,
-                cache,
-                execution,
-            )
-
-        hits: list[bool] = [prep.hit]
-        by_index: dict[int, ArtifactRef] = {}
-        for tile, fut in completed_in_window(tiles, submit, window):
-            run = fut.result()
-            by_index[tile.index] = run.ref
-            hits.append(_hit(fut.state, run))
-            done += 1
-            update_progress_artifact(progress, progress=100.0 * done / total)
-            if total > 2 and (done % max(1, total // 20) == 0 or done == total):
-                logger.info("tiles %d/%d done (%s)", done, total, step.kind)
+        by_index, hits = _stage_tiles(step, prep, tiles, (refs, tile_refs), cfg, progress)
         tile_refs[step.kind] = by_index
         refs[step.kind] = out_refs[step.kind] = tiled_ref(
             step, prep.run.ref, [by_index[t.index] for t in tiles]
@@ -444,6 +457,21 @@ def dask_runner(execution: ExecutionConfig) -> Any:
     )
 
 
+def _this_runs_sources(
+    step: Step, state: State[Any], cache: CacheConfig, execution: ExecutionConfig
+) -> StageRun:
+    """The task's run, with the per-run facts about its source files of this run.
+
+    The runner attaches them when the task ran; a result Prefect returns from
+    its cache carries those of the run that made it (another path, an older
+    mtime), so only then are they looked up again.
+    """
+    run: StageRun = state.result()
+    if state.name == "Cached":
+        run = with_sources(step.config, run, _ctx(cache, execution))
+    return run
+
+
 def _whole(
     step: Step, refs: Mapping[str, Ref], cfg: PipelineConfig, opts: Mapping[str, Any]
 ) -> tuple[StageRun, StageSummary]:
@@ -453,8 +481,7 @@ def _whole(
     state = stage_task.with_options(name=step.kind, **opts)(
         step.config, {k: refs[k] for k in step.decl.inputs}, cache, execution, return_state=True
     )
-    # A Prefect-cached result names the files of the run that made it: use this run's.
-    run: StageRun = with_sources(step.config, state.result(), _ctx(cache, execution))
+    run: StageRun = _this_runs_sources(step, state, cache, execution)
     row = _row(
         step.kind, step.decl.impl, run.ref.key, [_hit(state, run)], time.perf_counter() - t0, 0
     )
@@ -485,7 +512,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         state = prepare_task.with_options(name=f"{step.kind}-prepare", **opts)(
             step.config, {k: refs[k] for k in step.decl.inputs}, cache, execution, return_state=True
         )
-        run = with_sources(step.config, state.result(), _ctx(cache, execution))
+        run = _this_runs_sources(step, state, cache, execution)
         prepared[step.kind] = PreparedStage(
             run=run, hit=_hit(state, run), seconds=time.perf_counter() - t0
         )
@@ -555,11 +582,11 @@ def _publish(summary: RunSummary) -> None:
 
 @flow(name="gridsolve", persist_result=False, validate_parameters=True, log_prints=True)
 def pipeline(
-    load: LoadField = DemoLoad(),
-    design: DesignField = RandomDesign(),
+    load: LoadField = DEMO.load,
+    design: DesignField = DEMO.design,
     normal_equations: NormalEquationsField = SVDNormalEquations(),
     solve: SolveField = LstsqSolve(),
-    model: ModelField = MultidimLinearModel(),
+    model: ModelField = DEMO.model,
     write: WriteField = NetCDFWrite(),
     cache: CacheConfig = CacheConfig(),
     execution: ExecutionConfig = ExecutionConfig(),
@@ -577,20 +604,9 @@ def pipeline(
         execution: Memory budget, tiles and task runner (never change results).
 
     """
+    sections = dict(locals())  # the parameters, one per PipelineConfig field
     install_failure_logging()  # again: Prefect may have replaced its handlers since import
-    cfg = build_config(
-        {
-            "load": load,
-            "design": design,
-            "normal_equations": normal_equations,
-            "solve": solve,
-            "model": model,
-            "write": write,
-            "cache": cache,
-            "execution": execution,
-        }
-    )
-    return run_pipeline(cfg)
+    return run_pipeline(build_config(sections))
 
 
 def run_config(cfg: PipelineConfig) -> RunSummary:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import uuid
 from pathlib import Path
 
 import matplotlib
@@ -15,6 +13,8 @@ matplotlib.use("Agg")  # headless: no display on workers
 import matplotlib.pyplot as plt
 import numpy as np
 import xarray as xr
+
+from gridsolve.stages.engine.paths import atomic_file
 
 MAX_SIDE = 300
 
@@ -48,9 +48,8 @@ def write_quicklook(output: str | Path) -> tuple[Path, bytes]:
     """Write ``<output>.quicklook.png`` beside the output (atomically); return path and bytes."""
     png = quicklook_png(output)
     path = Path(f"{output}.quicklook.png")
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_bytes(png)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(png)
     return path, png
 
 

@@ -2,8 +2,8 @@
 
 Validating a config needs the config models of every implementation, built-in
 or plugged in, but not the implementations themselves (nor torch). The
-built-in models add themselves here when ``gridsolve.schemas.config`` is
-imported; a plugin's model is added when its stage is registered
+built-in models add themselves here when their module under
+``gridsolve.schemas.kinds`` is imported; a plugin's model is added when its stage is registered
 (``gridsolve.stages.engine.registry.register``), and plugins declared as
 entry points of the ``gridsolve.stages`` group are imported on first use.
 Imports go one way: ``stages`` imports ``schemas``, never the reverse.

@@ -16,9 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from gridsolve.schemas.config import HarmonicDesign, PolynomialDesign, RandomDesign, VariableDesign
 from gridsolve.schemas.contracts import ArraySpec
 from gridsolve.schemas.errors import ContractError
+from gridsolve.schemas.kinds.design import (
+    HarmonicDesign,
+    PolynomialDesign,
+    RandomDesign,
+    VariableDesign,
+)
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput

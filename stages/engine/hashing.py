@@ -97,6 +97,15 @@ _FILE_MEMO: dict[tuple[str, int, int, int, int], str] = {}
 _FILE_LOCK = threading.Lock()
 
 
+def hash_file(path: str | Path, block: int = 16 * 2**20) -> str:
+    """xxh3-128 of a file's bytes, read now (never memoised)."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def file_digest(path: str | Path, block: int = 16 * 2**20) -> str:
     """xxh3-128 of a file's bytes.
 
@@ -110,11 +119,7 @@ def file_digest(path: str | Path, block: int = 16 * 2**20) -> str:
     with _FILE_LOCK:
         if memo_key in _FILE_MEMO:
             return _FILE_MEMO[memo_key]
-    h = xxhash.xxh3_128()
-    with open(p, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    digest = h.hexdigest()
+    digest = hash_file(p, block)
     with _FILE_LOCK:
         _FILE_MEMO[memo_key] = digest
     return digest

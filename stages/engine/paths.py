@@ -1,4 +1,4 @@
-"""Where gridsolve may write, and temporary files that die with their writer.
+"""Where gridsolve may write, and files written atomically through temporaries.
 
 A worker that runs flows triggered by other people (a Prefect UI "Custom run")
 can pin where runs may write: ``GRIDSOLVE_ALLOWED_ROOTS`` (folders separated
@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from gridsolve.schemas.errors import OutputError
@@ -58,3 +61,33 @@ def owner_is_dead(tag: str) -> bool:
     """Whether the ``host~pid`` that wrote a temporary file is gone (this host only)."""
     host, _, pid = tag.partition("~")
     return host == socket.gethostname() and pid.isdigit() and not pid_alive(int(pid))
+
+
+def _temporary_beside(final: Path) -> Path:
+    return final.with_name(f".{final.name}.gridsolve~{writer_tag()}~{uuid.uuid4().hex[:12]}.tmp")
+
+
+def sweep_dead_temporaries(final: Path) -> None:
+    """Remove the temporary files that killed writers left beside ``final`` (this host)."""
+    for tmp in final.parent.glob(f".{final.name}.gridsolve~*.tmp"):
+        tag = tmp.name.split("~", 1)[1].rsplit("~", 1)[0]
+        if owner_is_dead(tag):
+            tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_file(final: Path) -> Iterator[Path]:
+    """A temporary path beside ``final`` that becomes ``final`` when the block succeeds.
+
+    Readers see the old file or the whole new one, never a partial one; on any
+    error the temporary file is removed and ``final`` is untouched. The name
+    carries the writer's ``host~pid`` so :func:`sweep_dead_temporaries` can
+    remove what a killed writer left.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary_beside(final)
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gridsolve.schemas.artifacts import ArtifactRef, Tile, TiledRef
-from gridsolve.schemas.config import StageConfig
+from gridsolve.schemas.base import StageConfig
 from gridsolve.schemas.errors import ConfigError
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.registry import StageDecl, decl_for

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gridsolve.schemas import catalog
-from gridsolve.schemas.config import STAGE_KINDS, StageConfig, suggest
+from gridsolve.schemas.base import StageConfig
 from gridsolve.schemas.contracts import ArraySpec
 from gridsolve.schemas.errors import ConfigError
+from gridsolve.schemas.pipeline import STAGE_KINDS, suggest
 from gridsolve.stages.engine.contract import contract_of
 
 log = logging.getLogger("gridsolve.registry")

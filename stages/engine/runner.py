@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gridsolve.schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
-from gridsolve.schemas.config import StageConfig
+from gridsolve.schemas.base import StageConfig
 from gridsolve.schemas.contracts import check_arrays
 from gridsolve.schemas.errors import GridsolveError, StageError
 from gridsolve.stages.engine.context import StageContext
@@ -62,6 +62,13 @@ def _sources(ref: Ref) -> dict[str, Any]:
 
 def whole_key(config: StageConfig, refs: Mapping[str, Ref], ctx: StageContext) -> str:
     """Key of a stage: kind, impl, version, config, input keys, outside content, code, libraries."""
+    return _key_and_code(config, refs, ctx)[0]
+
+
+def _key_and_code(
+    config: StageConfig, refs: Mapping[str, Ref], ctx: StageContext
+) -> tuple[str, str]:
+    """The stage's key and the digest of its code (which the key covers)."""
     decl = decl_for(config)
     missing = [k for k in decl.inputs if k not in refs]
     if missing:
@@ -76,16 +83,18 @@ def whole_key(config: StageConfig, refs: Mapping[str, Ref], ctx: StageContext) -
             paths = _sources(refs[k]).get("paths")
             if paths:
                 extra[f"{SOURCE}:{k}"] = canonical_json(paths)
-    return stage_key(
+    code = code_version(decl)
+    key = stage_key(
         decl.kind,
         decl.impl,
         decl.version,
         config.key_payload(),
         {k: refs[k].key for k in decl.inputs},
         extra,
-        code=code_version(decl),
+        code=code,
         libraries=package_versions(),
     )
+    return key, code
 
 
 def source_meta(config: StageConfig, ctx: StageContext) -> dict[str, Any]:
@@ -205,7 +214,7 @@ def _check(
 
 
 def _info(
-    decl: StageDecl, config: StageConfig, refs: Mapping[str, Ref], part: str
+    decl: StageDecl, config: StageConfig, refs: Mapping[str, Ref], part: str, code: str = ""
 ) -> dict[str, Any]:
     info = {
         "kind": decl.kind,
@@ -216,7 +225,7 @@ def _info(
         "inputs": {k: refs[k].key for k in decl.inputs if k in refs},
     }
     if part != "tile":  # a tile's stage key already covers them
-        info["code"] = code_version(decl)
+        info["code"] = code
         info["libraries"] = package_versions()
     return info
 
@@ -250,7 +259,7 @@ def run_stage(
     """Run (or reuse) a whole, untiled stage."""
     t0 = time.perf_counter()
     decl = decl_for(config)
-    key = cache_key(config, refs, ctx)
+    key, code = _key_and_code(config, refs, ctx)
     src = source_meta(config, ctx)
     run_meta = {SOURCE: src} if src else None
     art = reusable(ctx.store, key, decl) if use_cache else None
@@ -260,7 +269,7 @@ def run_stage(
     ctx.key = key
     out = _call(decl, decl.run, config, inputs, ctx)
     _check(decl, "whole", out)
-    art = ctx.store.put(key, out, _info(decl, config, refs, "whole"))
+    art = ctx.store.put(key, out, _info(decl, config, refs, "whole", code))
     return _result(decl, key, art, ctx.store, t0, False, extra_meta=run_meta)
 
 
@@ -272,7 +281,7 @@ def prepare_stage(
     decl = decl_for(config)
     if not decl.tiled or decl.prepare is None:
         raise StageError(f"{_name(decl)} is not a tiled stage", stage=_name(decl))
-    stage = whole_key(config, refs, ctx)
+    stage, code = _key_and_code(config, refs, ctx)
     key = tile_key(stage, PREPARE)
     art = reusable(ctx.store, key, decl) if use_cache else None
     hit = art is not None
@@ -281,7 +290,7 @@ def prepare_stage(
         ctx.key = key
         out = _call(decl, decl.prepare, config, inputs, ctx)
         _check(decl, "prepare", out)
-        art = ctx.store.put(key, out, _info(decl, config, refs, "prepare"))
+        art = ctx.store.put(key, out, _info(decl, config, refs, "prepare", code))
     src = source_meta(config, ctx)
     extra: dict[str, Any] = {"_stage_key": stage, **({SOURCE: src} if src else {})}
     return _result(decl, key, art, ctx.store, t0, hit, extra_meta=extra)

@@ -33,6 +33,7 @@ import xxhash
 
 from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.errors import StoreError
+from gridsolve.stages.engine.hashing import hash_file
 from gridsolve.stages.engine.paths import ensure_allowed, owner_is_dead, writer_tag
 
 log = logging.getLogger("gridsolve.store")
@@ -126,14 +127,6 @@ def _write_npy(f: BinaryIO, arr: np.ndarray) -> _HashingWriter:
     return w
 
 
-def _file_checksum(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 * 2**20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class Store:
     """A content-addressed store of stage artifacts under ``root``."""
 
@@ -212,7 +205,7 @@ class Store:
             if self._verified.get(str(folder)) == stamp:
                 return "hit", ""
         for name, info in manifest["files"].items():
-            if _file_checksum(folder / info["file"]) != info["xxh3"]:
+            if hash_file(folder / info["file"]) != info["xxh3"]:
                 return "corrupt", f"array {name!r} fails its checksum"
         with self._lock:
             self._verified[str(folder)] = stamp

@@ -7,13 +7,13 @@ same bytes, so the demo's cache keys are stable across machines.
 
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import xarray as xr
+
+from gridsolve.stages.engine.paths import atomic_file
 
 SIZES: dict[str, tuple[int, int, int]] = {
     "small": (50, 64, 64),
@@ -69,15 +69,9 @@ def make_cube(
 
 
 def write_atomic(ds: xr.Dataset, path: Path) -> Path:
-    """Write ``ds`` to ``path`` through a temporary file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
+    """Write ``ds`` to ``path`` as NetCDF, atomically."""
+    with atomic_file(path) as tmp:
         ds.to_netcdf(tmp, engine="netcdf4")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return path
 
 

@@ -32,9 +32,10 @@ import numpy as np
 import xarray as xr
 
 from gridsolve.schemas.artifacts import Tile
-from gridsolve.schemas.config import DemoLoad, NetCDFLoad, suggest
 from gridsolve.schemas.contracts import numeric_kind
 from gridsolve.schemas.errors import ContractError, GridsolveError, InputError, StageError
+from gridsolve.schemas.kinds.load import DemoLoad, NetCDFLoad
+from gridsolve.schemas.pipeline import suggest
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.hashing import ArrayHasher, canonical_json, file_identity, hash_text
 from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
@@ -411,34 +412,82 @@ def _scan_cached(config_json: str, path: str, ident_json: str) -> Scan:
     return dataclasses.replace(scan, identity=json.loads(ident_json))
 
 
+@dataclass(frozen=True)
+class _Cube:
+    """The cube variable and which of its dims are obs, y and x."""
+
+    name: str
+    da: xr.DataArray
+    dims: tuple[str, ...]
+    obs_dim: str
+    y_dim: str
+    x_dim: str
+
+
 def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
-    problems: list[str] = []
+    """The checked description and content digest of the variables ``config`` selects in ``ds``."""
+    cube = _cube(config, ds)
+    aux = _aux_info(config, ds, cube)
+    digests, stats, patterns = _hash_variables(ds, cube, aux, path)
+    arrays, coord_attrs, coord_cf, coord_digests = _read_coords(ds, cube, path)
+    _check_values(config, cube, stats, arrays["obs"])
+    digests.update(coord_digests)
+    # The output appends its line to the input's history (CF 2.6.2): part of the content.
+    history = str(ds.attrs.get("history", ""))
+    if history:
+        digests["history"] = hash_text(history)
+    design_columns: list[str] | None = None
+    if "design" in aux:
+        arrays["design"], design_columns = _read_design(ds, aux["design"], cube.obs_dim, path)
+        # The labels name the output's coef coordinate: part of the content.
+        digests["design_columns"] = hash_text(canonical_json(design_columns))
+    if stats["cube"]["nan"]:
+        # Gap patterns many pixels share get one factorisation each in the solve stage.
+        arrays["gap_patterns"] = patterns.common()
+    if "weights" in aux and aux["weights"]["shared"]:
+        arrays["weights"] = _values(
+            ds[config.weights], lambda v: v, f"variable {config.weights!r}", path
+        ).astype(np.float64)
+    meta = _meta(cube, coord_attrs, coord_cf, history, stats["cube"], aux, design_columns)
+    meta["digests"] = digests
+    digest = hash_text(canonical_json(digests))
+    meta["content_hash"] = digest
+    return Scan(digest=digest, output=StageOutput(arrays=arrays, meta=meta))
+
+
+def _cube_name(config: NetCDFLoad, ds: xr.Dataset) -> str:
+    """The cube's variable name: load.variable, else the file's one numeric 3-D variable."""
+    if config.variable is not None:
+        return config.variable
     names = [str(n) for n in ds.data_vars]
-    var = config.variable
-    if var is None:
-        cubes = [n for n in names if ds[n].ndim == 3 and numeric_kind(ds[n].dtype)]
-        if len(cubes) != 1 and len(names) == 1:
-            cubes = names  # the only variable: its own checks say what is wrong with it
-        if len(cubes) != 1:
-            raise ContractError(
-                "cannot tell which variable is the cube",
-                stage=STAGE,
-                expected="exactly one numeric 3-D data variable, or load.variable set",
-                found=f"3-D numeric variables {cubes}; all variables {names}",
-                fix="set load.variable to the cube's name",
-            )
-        var = cubes[0]
-    for field, name in (
-        ("load.variable", var),
-        ("load.design", config.design),
-        ("load.weights", config.weights),
-        ("load.target", config.target),
-    ):
-        if name is not None and name not in ds.variables:
-            problems.append(
-                f"{field}: variable {name!r} is not in the file "
-                f"(variables: {', '.join(names)}).{suggest(name, names)}"
-            )
+    cubes = [n for n in names if ds[n].ndim == 3 and numeric_kind(ds[n].dtype)]
+    if len(cubes) != 1 and len(names) == 1:
+        cubes = names  # the only variable: its own checks say what is wrong with it
+    if len(cubes) != 1:
+        raise ContractError(
+            "cannot tell which variable is the cube",
+            stage=STAGE,
+            expected="exactly one numeric 3-D data variable, or load.variable set",
+            found=f"3-D numeric variables {cubes}; all variables {names}",
+            fix="set load.variable to the cube's name",
+        )
+    return cubes[0]
+
+
+def _check_names(config: NetCDFLoad, ds: xr.Dataset, var: str) -> None:
+    """Raise a ContractError if a variable the config names (cube ``var`` included) is missing."""
+    names = [str(n) for n in ds.data_vars]
+    problems = [
+        f"{field}: variable {name!r} is not in the file "
+        f"(variables: {', '.join(names)}).{suggest(name, names)}"
+        for field, name in (
+            ("load.variable", var),
+            ("load.design", config.design),
+            ("load.weights", config.weights),
+            ("load.target", config.target),
+        )
+        if name is not None and name not in ds.variables
+    ]
     if problems:
         raise ContractError(
             "variables named in the config are missing",
@@ -446,6 +495,12 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
             violations=problems,
             fix="correct the names in the load section",
         )
+
+
+def _cube(config: NetCDFLoad, ds: xr.Dataset) -> _Cube:
+    """The cube and its (obs, y, x) dims; ContractError if it breaks the cube contract."""
+    var = _cube_name(config, ds)
+    _check_names(config, ds, var)
     da = ds[var]
     if da.ndim != 3:
         raise ContractError(
@@ -455,10 +510,7 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
             fix="select a 3-D variable, or reduce/expand the data to (obs, y, x) first",
         )
     dims = tuple(str(d) for d in da.dims)
-    obs_dim, y_dim, x_dim, dim_problems = infer_dims(
-        dims, config.obs_dim, config.y_dim, config.x_dim
-    )
-    problems += dim_problems
+    obs_dim, y_dim, x_dim, problems = infer_dims(dims, config.obs_dim, config.y_dim, config.x_dim)
     if not numeric_kind(da.dtype):
         problems.append(f"variable {var!r} has dtype {da.dtype}; expected numbers (float or int)")
     for dim, n in da.sizes.items():
@@ -472,69 +524,89 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
             expected="a numeric variable with dims (obs, y, x), each of size ≥ 1",
             fix="set load.variable / load.obs_dim / load.y_dim / load.x_dim",
         )
-    n_obs, ny, nx = da.sizes[obs_dim], da.sizes[y_dim], da.sizes[x_dim]
+    return _Cube(var, da, dims, obs_dim, y_dim, x_dim)
 
-    aux: dict[str, dict[str, Any]] = {}
-    if config.design is not None:
-        d: xr.DataArray = ds[config.design]
-        if d.ndim != 2:
+
+# ---------------------------------------------------------------- helper variables
+def _design_info(d: xr.DataArray, name: str, cube: _Cube) -> tuple[dict[str, Any], list[str]]:
+    """The design's aux entry, and how its dims fail to fit the cube."""
+    obs_dim, n_obs = cube.obs_dim, cube.da.sizes[cube.obs_dim]
+    problems: list[str] = []
+    if d.ndim != 2:
+        problems.append(f"design {name!r}: expected 2 dims ({obs_dim}, coef), found {list(d.dims)}")
+    elif obs_dim not in d.dims:
+        rows = ", ".join(f"{k}={v}" for k, v in d.sizes.items())
+        problems.append(
+            f"design {name!r}: expected dims ({obs_dim}, coef) with {n_obs} rows "
+            f"(one per observation), found ({rows})"
+        )
+    elif d.sizes[obs_dim] != n_obs:
+        problems.append(
+            f"design {name!r}: has {d.sizes[obs_dim]} rows along {obs_dim!r}, "
+            f"the cube has {n_obs} observations"
+        )
+    return {"name": name, "dims": [str(x) for x in d.dims]}, problems
+
+
+def _weights_info(w: xr.DataArray, name: str, cube: _Cube) -> tuple[dict[str, Any], list[str]]:
+    """The weights' aux entry (shared: one weight per observation), and how they misfit."""
+    obs_dim, y_dim, x_dim, da = cube.obs_dim, cube.y_dim, cube.x_dim, cube.da
+    problems: list[str] = []
+    wd = tuple(str(x) for x in w.dims)
+    shared = wd == (obs_dim,)
+    if not shared and not (set(wd) == {obs_dim, y_dim, x_dim} and w.ndim == 3):
+        problems.append(
+            f"weights {name!r}: expected dims ({obs_dim},) or "
+            f"({obs_dim}, {y_dim}, {x_dim}), found {list(wd)}"
+        )
+    for dname in wd:
+        if dname in da.sizes and w.sizes[dname] != da.sizes[dname]:
             problems.append(
-                f"design {config.design!r}: expected 2 dims ({obs_dim}, coef), found {list(d.dims)}"
+                f"weights {name!r}: dim {dname!r} has size {w.sizes[dname]}, "
+                f"the cube has {da.sizes[dname]}"
             )
-        elif obs_dim not in d.dims:
-            rows = ", ".join(f"{k}={v}" for k, v in d.sizes.items())
-            problems.append(
-                f"design {config.design!r}: expected dims ({obs_dim}, coef) with {n_obs} rows "
-                f"(one per observation), found ({rows})"
-            )
-        elif d.sizes[obs_dim] != n_obs:
-            problems.append(
-                f"design {config.design!r}: has {d.sizes[obs_dim]} rows along {obs_dim!r}, "
-                f"the cube has {n_obs} observations"
-            )
-        aux["design"] = {"name": config.design, "dims": [str(x) for x in d.dims]}
-    if config.weights is not None:
-        w = ds[config.weights]
-        wd = tuple(str(x) for x in w.dims)
-        if wd == (obs_dim,):
-            shared = True
-        elif set(wd) == {obs_dim, y_dim, x_dim} and w.ndim == 3:
-            shared = False
-        else:
-            shared = False
-            problems.append(
-                f"weights {config.weights!r}: expected dims ({obs_dim},) or "
-                f"({obs_dim}, {y_dim}, {x_dim}), found {list(wd)}"
-            )
-        for dname in wd:
-            if dname in da.sizes and w.sizes[dname] != da.sizes[dname]:
+    return {"name": name, "dims": list(wd), "shared": shared}, problems
+
+
+def _target_info(t: xr.DataArray, name: str, cube: _Cube) -> tuple[dict[str, Any], list[str]]:
+    """The target's aux entry (its output dim and count), and how its dims misfit."""
+    y_dim, x_dim, da = cube.y_dim, cube.x_dim, cube.da
+    problems: list[str] = []
+    td = tuple(str(x) for x in t.dims)
+    if not ({y_dim, x_dim} <= set(td) and t.ndim in (2, 3)):
+        problems.append(
+            f"target {name!r}: expected dims ({y_dim}, {x_dim}) or "
+            f"(output, {y_dim}, {x_dim}), found {list(td)}"
+        )
+    else:
+        for dname in (y_dim, x_dim):
+            if t.sizes[dname] != da.sizes[dname]:
                 problems.append(
-                    f"weights {config.weights!r}: dim {dname!r} has size {w.sizes[dname]}, "
+                    f"target {name!r}: dim {dname!r} has size {t.sizes[dname]}, "
                     f"the cube has {da.sizes[dname]}"
                 )
-        aux["weights"] = {"name": config.weights, "dims": list(wd), "shared": shared}
-    if config.target is not None:
-        t = ds[config.target]
-        td = tuple(str(x) for x in t.dims)
-        if not ({y_dim, x_dim} <= set(td) and t.ndim in (2, 3)):
-            problems.append(
-                f"target {config.target!r}: expected dims ({y_dim}, {x_dim}) or "
-                f"(output, {y_dim}, {x_dim}), found {list(td)}"
-            )
-        else:
-            for dname in (y_dim, x_dim):
-                if t.sizes[dname] != da.sizes[dname]:
-                    problems.append(
-                        f"target {config.target!r}: dim {dname!r} has size {t.sizes[dname]}, "
-                        f"the cube has {da.sizes[dname]}"
-                    )
-        out_dims = [d for d in td if d not in (y_dim, x_dim)]
-        aux["target"] = {
-            "name": config.target,
-            "dims": list(td),
-            "out_dim": out_dims[0] if out_dims else None,
-            "n_out": int(t.sizes[out_dims[0]]) if out_dims else 1,
-        }
+    out_dims = [d for d in td if d not in (y_dim, x_dim)]
+    info = {
+        "name": name,
+        "dims": list(td),
+        "out_dim": out_dims[0] if out_dims else None,
+        "n_out": int(t.sizes[out_dims[0]]) if out_dims else 1,
+    }
+    return info, problems
+
+
+def _aux_info(config: NetCDFLoad, ds: xr.Dataset, cube: _Cube) -> dict[str, dict[str, Any]]:
+    """Role → description of each helper variable; ContractError if one does not fit the cube."""
+    aux: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    for role, name, describe in (
+        ("design", config.design, _design_info),
+        ("weights", config.weights, _weights_info),
+        ("target", config.target, _target_info),
+    ):
+        if name is not None:
+            aux[role], found = describe(ds[name], name, cube)
+            problems += found
     for role, info in aux.items():
         if not numeric_kind(ds[info["name"]].dtype):
             problems.append(
@@ -547,166 +619,227 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
             violations=problems,
             fix="correct load.design / load.weights / load.target or the file",
         )
+    return aux
 
-    # Hash content, check values, in one streamed pass per variable.
+
+# ---------------------------------------------------------------- content
+def _hash_variable(
+    v: xr.DataArray, role: str, name: str, path: str, patterns: GridPatterns | None
+) -> tuple[str, dict[str, Any]]:
+    """The content digest of one selected variable and its value statistics (:func:`_stream`)."""
+    h = ArrayHasher()
+    h.header(
+        {
+            "role": role,
+            "name": name,
+            "dims": [str(x) for x in v.dims],
+            "shape": list(v.shape),
+            "dtype": v.dtype.str,
+            "attrs": {k: str(val) for k, val in sorted(v.attrs.items()) if k in _KEPT_ATTRS},
+        }
+    )
+    stats = _stream(v, h, path, f"variable {name!r}", patterns)
+    return h.hexdigest(), stats
+
+
+def _hash_variables(
+    ds: xr.Dataset, cube: _Cube, aux: Mapping[str, Mapping[str, Any]], path: str
+) -> tuple[dict[str, str], dict[str, dict[str, Any]], GridPatterns]:
+    """Digest and value statistics per role (cube, then helpers), and the cube's gap patterns."""
+    da = cube.da
+    patterns = GridPatterns(
+        tuple(str(d) for d in da.dims), cube.obs_dim, {str(k): int(n) for k, n in da.sizes.items()}
+    )
     digests: dict[str, str] = {}
     stats: dict[str, dict[str, Any]] = {}
-    selected = {"cube": var, **{role: info["name"] for role, info in aux.items()}}
+    selected = {"cube": cube.name, **{role: info["name"] for role, info in aux.items()}}
     for role, name in selected.items():
-        v = ds[name]
-        h = ArrayHasher()
-        h.header(
-            {
-                "role": role,
-                "name": name,
-                "dims": [str(x) for x in v.dims],
-                "shape": list(v.shape),
-                "dtype": v.dtype.str,
-                "attrs": {k: str(val) for k, val in sorted(v.attrs.items()) if k in _KEPT_ATTRS},
-            }
+        digests[role], stats[role] = _hash_variable(
+            ds[name], role, name, path, patterns if role == "cube" else None
         )
-        if role == "cube":
-            grid = GridPatterns(
-                tuple(str(d) for d in v.dims), obs_dim, {str(k): int(n) for k, n in v.sizes.items()}
-            )
-            stats[role] = _stream(v, h, path, f"variable {name!r}", grid)
-        else:
-            stats[role] = _stream(v, h, path, f"variable {name!r}")
-        digests[role] = h.hexdigest()
+    return digests, stats, patterns
 
-    cube_dims = dims
-    s = stats["cube"]
-    fixes: list[str] = []
-    if s["inf"]:
-        problems.append(
-            f"cube {var!r} holds {s['inf']} infinite value(s){_where(cube_dims, s['first_inf'])}; "
-            "gridsolve treats only NaN as missing"
-        )
-        fixes.append("replace infinite values by NaN (missing) in the file")
-    if s["nan"] == s["size"]:
-        problems.append(f"cube {var!r} is entirely NaN: no pixel has data")
-        fixes.append(
-            "check load.variable, and the cube's _FillValue, missing_value and valid_range "
-            "attributes (values they exclude are missing)"
-        )
-    if "design" in stats and (stats["design"]["nan"] or stats["design"]["inf"]):
-        problems.append(
-            f"design {config.design!r} holds {stats['design']['nan']} NaN and "
-            f"{stats['design']['inf']} infinite value(s)"
-        )
-        fixes.append("give the design finite values everywhere, or use a generated design")
-    if "weights" in stats:
-        ws = stats["weights"]
-        if ws["nan"] or ws["inf"] or ws["negative"]:
-            problems.append(
-                f"weights {config.weights!r} must be finite and ≥ 0; found {ws['nan']} NaN, "
-                f"{ws['inf']} infinite and {ws['negative']} negative value(s)"
-            )
-            fixes.append(
-                "give every weight a finite value ≥ 0 (NaN is refused too): "
-                "a weight of 0 drops its observation"
-            )
-        elif not ws["positive"]:
-            problems.append(
-                f"weights {config.weights!r} are all zero: no observation has weight > 0"
-            )
-            fixes.append(
-                "check load.weights (does it name the right variable?): "
-                "at least one observation needs a weight > 0"
-            )
-    if "target" in stats and stats["target"]["inf"]:
-        problems.append(
-            f"target {config.target!r} holds {stats['target']['inf']} infinite value(s)"
-        )
-        fixes.append("replace infinite target values by NaN (missing)")
 
+def _coord_digest(
+    role: str,
+    dname: str,
+    values: np.ndarray,
+    bounds: np.ndarray | None,
+    attrs: dict[str, Any],
+    cf: dict[str, Any],
+) -> str:
+    """The content digest of one coordinate: its values, bounds, kept attrs and CF conventions."""
+    h = ArrayHasher()
+    h.header({"coord": role, "name": dname, "dtype": values.dtype.str, "attrs": attrs, "cf": cf})
+    h.update(values)
+    if bounds is not None:
+        h.update(bounds)
+    return h.hexdigest()
+
+
+def _read_coords(
+    ds: xr.Dataset, cube: _Cube, path: str
+) -> tuple[
+    dict[str, np.ndarray], dict[str, dict[str, Any]], dict[str, dict[str, Any]], dict[str, str]
+]:
+    """The obs, y and x coords (and ``<role>_bounds``), their kept attrs, CF info and digests."""
     arrays: dict[str, np.ndarray] = {}
     coord_attrs: dict[str, dict[str, Any]] = {}
     coord_cf: dict[str, dict[str, Any]] = {}
-    for role, dname in (("obs", obs_dim), ("y", y_dim), ("x", x_dim)):
-        arrays[role], coord_attrs[role] = _coord(ds, da, dname, path)
-        coord_cf[role], bounds = _coord_cf(ds, da, dname, arrays[role], path)
+    digests: dict[str, str] = {}
+    for role, dname in (("obs", cube.obs_dim), ("y", cube.y_dim), ("x", cube.x_dim)):
+        arrays[role], coord_attrs[role] = _coord(ds, cube.da, dname, path)
+        coord_cf[role], bounds = _coord_cf(ds, cube.da, dname, arrays[role], path)
         if bounds is not None:
             arrays[f"{role}_bounds"] = bounds
-        if role == "obs" and (bad := _nonfinite(arrays[role])):
-            count, first, what = bad
-            problems.append(
-                f"obs coordinate {dname!r} holds {count} {what} value(s) (first at {dname}={first})"
-            )
-            fixes.append(
-                f"give every observation a finite {dname!r} value, or drop the observations "
-                f"without one (e.g. ds.sel({dname}=ds[{dname!r}].notnull()))"
-            )
-        h = ArrayHasher()
-        h.header(
-            {
-                "coord": role,
-                "name": dname,
-                "dtype": arrays[role].dtype.str,
-                "attrs": coord_attrs[role],
-                "cf": coord_cf[role],
-            }
+        digests[f"coord_{role}"] = _coord_digest(
+            role, dname, arrays[role], bounds, coord_attrs[role], coord_cf[role]
         )
-        h.update(arrays[role])
-        if f"{role}_bounds" in arrays:
-            h.update(arrays[f"{role}_bounds"])
-        digests[f"coord_{role}"] = h.hexdigest()
-    if problems:
+    return arrays, coord_attrs, coord_cf, digests
+
+
+# ---------------------------------------------------------------- value checks
+def _weights_problem(name: str | None, ws: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(problem, fix) if the weights are not all finite and ≥ 0 with one > 0; else None."""
+    if ws["nan"] or ws["inf"] or ws["negative"]:
+        return (
+            f"weights {name!r} must be finite and ≥ 0; found {ws['nan']} NaN, "
+            f"{ws['inf']} infinite and {ws['negative']} negative value(s)",
+            "give every weight a finite value ≥ 0 (NaN is refused too): "
+            "a weight of 0 drops its observation",
+        )
+    if not ws["positive"]:
+        return (
+            f"weights {name!r} are all zero: no observation has weight > 0",
+            "check load.weights (does it name the right variable?): "
+            "at least one observation needs a weight > 0",
+        )
+    return None
+
+
+def _stats_problems(
+    config: NetCDFLoad, cube: _Cube, stats: Mapping[str, Mapping[str, Any]]
+) -> list[tuple[str, str]]:
+    """(problem, fix) for each unusable set of values in the cube and helper variables."""
+    found: list[tuple[str, str]] = []
+    s, var = stats["cube"], cube.name
+    if s["inf"]:
+        where = _where(cube.dims, s["first_inf"])
+        found.append(
+            (
+                f"cube {var!r} holds {s['inf']} infinite value(s){where}; "
+                "gridsolve treats only NaN as missing",
+                "replace infinite values by NaN (missing) in the file",
+            )
+        )
+    if s["nan"] == s["size"]:
+        found.append(
+            (
+                f"cube {var!r} is entirely NaN: no pixel has data",
+                "check load.variable, and the cube's _FillValue, missing_value and valid_range "
+                "attributes (values they exclude are missing)",
+            )
+        )
+    if "design" in stats and (stats["design"]["nan"] or stats["design"]["inf"]):
+        found.append(
+            (
+                f"design {config.design!r} holds {stats['design']['nan']} NaN and "
+                f"{stats['design']['inf']} infinite value(s)",
+                "give the design finite values everywhere, or use a generated design",
+            )
+        )
+    if "weights" in stats and (bad := _weights_problem(config.weights, stats["weights"])):
+        found.append(bad)
+    if "target" in stats and stats["target"]["inf"]:
+        found.append(
+            (
+                f"target {config.target!r} holds {stats['target']['inf']} infinite value(s)",
+                "replace infinite target values by NaN (missing)",
+            )
+        )
+    return found
+
+
+def _obs_coord_problem(dname: str, values: np.ndarray) -> tuple[str, str] | None:
+    """(problem, fix) if the obs coordinate holds NaT / NaN / inf values; else None."""
+    if not (bad := _nonfinite(values)):
+        return None
+    count, first, what = bad
+    return (
+        f"obs coordinate {dname!r} holds {count} {what} value(s) (first at {dname}={first})",
+        f"give every observation a finite {dname!r} value, or drop the observations "
+        f"without one (e.g. ds.sel({dname}=ds[{dname!r}].notnull()))",
+    )
+
+
+def _check_values(
+    config: NetCDFLoad, cube: _Cube, stats: Mapping[str, Mapping[str, Any]], obs: np.ndarray
+) -> None:
+    """Raise a ContractError listing every unusable value and its fix; return if there is none."""
+    found = _stats_problems(config, cube, stats)
+    if bad := _obs_coord_problem(cube.obs_dim, obs):
+        found.append(bad)
+    if found:
         raise ContractError(
             "input values are unusable",
             stage=STAGE,
-            violations=problems,
-            fix="; ".join(fixes),
+            violations=[problem for problem, _ in found],
+            fix="; ".join(fix for _, fix in found),
         )
-    # The output appends its line to the input's history (CF 2.6.2): part of the content.
-    history = str(ds.attrs.get("history", ""))
-    if history:
-        digests["history"] = hash_text(history)
-    design_columns: list[str] | None = None
-    if "design" in aux:
-        d = ds[aux["design"]["name"]]
-        arrays["design"] = _values(
-            d, lambda v: v.transpose(obs_dim, ...), f"variable {config.design!r}", path
-        ).astype(np.float64)
-        coef_dim = next(str(x) for x in d.dims if x != obs_dim)
-        if coef_dim in d.coords:
-            design_columns = [str(c) for c in np.asarray(d.coords[coef_dim].values)]
-        aux["design"]["coef_dim"] = coef_dim
-        if isinstance(d.attrs.get("units"), str):
-            aux["design"]["units"] = d.attrs["units"]  # hashed with the design's attrs
-        # The labels name the output's coef coordinate: part of the content.
-        digests["design_columns"] = hash_text(canonical_json(design_columns))
-    if s["nan"]:
-        # Gap patterns many pixels share get one factorisation each in the solve stage.
-        arrays["gap_patterns"] = grid.common()
-    if "weights" in aux and aux["weights"]["shared"]:
-        arrays["weights"] = _values(
-            ds[config.weights], lambda v: v, f"variable {config.weights!r}", path
-        ).astype(np.float64)
 
-    meta = {
-        "variable": var,
-        "dims": list(cube_dims),
-        "obs_dim": obs_dim,
-        "y_dim": y_dim,
-        "x_dim": x_dim,
-        "n_obs": int(n_obs),
-        "ny": int(ny),
-        "nx": int(nx),
+
+# ---------------------------------------------------------------- small parts
+def _read_design(
+    ds: xr.Dataset, info: dict[str, Any], obs_dim: str, path: str
+) -> tuple[np.ndarray, list[str] | None]:
+    """The design matrix as float64 (obs, coef) and its column labels (None if it has none).
+
+    Also records the design's coef dim and string units in its aux entry ``info``.
+    """
+    name = info["name"]
+    d = ds[name]
+    what = f"variable {name!r}"
+    values = _values(d, lambda v: v.transpose(obs_dim, ...), what, path).astype(np.float64)
+    coef_dim = next(str(x) for x in d.dims if x != obs_dim)
+    columns: list[str] | None = None
+    if coef_dim in d.coords:
+        columns = [str(c) for c in np.asarray(d.coords[coef_dim].values)]
+    info["coef_dim"] = coef_dim
+    if isinstance(d.attrs.get("units"), str):
+        info["units"] = d.attrs["units"]  # hashed with the design's attrs
+    return values, columns
+
+
+def _meta(
+    cube: _Cube,
+    coord_attrs: dict[str, dict[str, Any]],
+    coord_cf: dict[str, dict[str, Any]],
+    history: str,
+    cube_stats: Mapping[str, Any],
+    aux: dict[str, dict[str, Any]],
+    design_columns: list[str] | None,
+) -> dict[str, Any]:
+    """The load stage's metadata, short of its digests and content hash."""
+    da = cube.da
+    return {
+        "variable": cube.name,
+        "dims": list(cube.dims),
+        "obs_dim": cube.obs_dim,
+        "y_dim": cube.y_dim,
+        "x_dim": cube.x_dim,
+        "n_obs": int(da.sizes[cube.obs_dim]),
+        "ny": int(da.sizes[cube.y_dim]),
+        "nx": int(da.sizes[cube.x_dim]),
         "dtype": da.dtype.str,
         "attrs": {k: _jsonable(v) for k, v in da.attrs.items() if k in _KEPT_ATTRS},
         "coord_attrs": coord_attrs,
         "coord_cf": coord_cf,
         "history": history,
-        "nan_count": int(s["nan"]),
-        "abs_max": s["abs_max"],
+        "nan_count": int(cube_stats["nan"]),
+        "abs_max": cube_stats["abs_max"],
         "aux": aux,
         "design_columns": design_columns,
-        "digests": digests,
     }
-    digest = hash_text(canonical_json(digests))
-    meta["content_hash"] = digest
-    return Scan(digest=digest, output=StageOutput(arrays=arrays, meta=meta))
 
 
 # ---------------------------------------------------------------- tile reads

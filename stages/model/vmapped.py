@@ -43,9 +43,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from gridsolve.schemas.artifacts import Tile
-from gridsolve.schemas.config import ModelConfig, ModuleModel, MultidimLinearModel
 from gridsolve.schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS, ArraySpec
 from gridsolve.schemas.errors import ConfigError, ContractError, InputError
+from gridsolve.schemas.kinds.model import ModelConfig, ModuleModel, MultidimLinearModel
 from gridsolve.stages.engine.agreement import disagreements
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device
@@ -390,9 +390,42 @@ def user_code_digest(cls: type, target: str) -> str:
 
 def prepare(config: ModelConfig, inputs: Mapping[str, Artifact], ctx: StageContext) -> StageOutput:
     """Build the model once, check it against the data, store its parameters and buffers."""
-    stage, name = _stage(config), _model_name(config)
-    coef = int(inputs["design"].meta["coef"])
+    stage = _stage(config)
     shape = input_shape(config)
+    _check_input_shape(shape, int(inputs["design"].meta["coef"]), stage)
+    module = build_module(config)
+    if config.weights is not None:
+        _apply_weights(module, load_weights(config.weights, stage), config.weights, stage)
+    check_mode(module, config)
+    # Snapshots taken before any forward, so a forward that mutates state cannot change them.
+    params = {k: v.detach().clone() for k, v in module.named_parameters()}
+    buffers = {k: v.detach().clone() for k, v in module.named_buffers()}
+    out = _one_sample_output(module, config, params, buffers, shape)
+    n_out = int(out.numel())
+    _check_target(config, inputs, n_out)
+    batched_probe(module, config, params, buffers, shape, n_out)
+    meta = {
+        "input_shape": list(shape),
+        "input_dims": list(dim_names(module, "input", len(shape))),
+        "output_shape": list(out.shape),
+        "n_out": n_out,
+        "output_dims": ["output"],
+        "params": {k: list(v.shape) for k, v in params.items()},
+        "param_dims": {k: list(dim_names(module, k, v.ndim)) for k, v in params.items()},
+        "buffers": {k: list(v.shape) for k, v in buffers.items()},
+        "objective": config.objective,
+        "wrt": config.wrt,
+        "jacobian": config.jacobian,
+        "dtype": config.dtype,
+        "mode": config.mode,
+    }
+    arrays = {f"param:{k}": v.cpu().numpy() for k, v in params.items()}
+    arrays.update({f"buffer:{k}": v.cpu().numpy() for k, v in buffers.items()})
+    return StageOutput(arrays=arrays, meta=meta)
+
+
+def _check_input_shape(shape: tuple[int, ...], coef: int, stage: str) -> None:
+    """Raise a ContractError unless one sample of ``shape`` holds exactly ``coef`` numbers."""
     if int(np.prod(shape)) != coef:
         raise ContractError(
             "the model's input shape does not hold the coefficients",
@@ -401,13 +434,17 @@ def prepare(config: ModelConfig, inputs: Mapping[str, Artifact], ctx: StageConte
             found=f"input shape {shape} ({int(np.prod(shape))} numbers)",
             fix="change the model's input dims (e.g. input_dim·hidden_dim = coef) or the design",
         )
-    module = build_module(config)
-    if config.weights is not None:
-        _apply_weights(module, load_weights(config.weights, stage), config.weights, stage)
-    check_mode(module, config)
-    # Snapshots taken before any forward, so a forward that mutates state cannot change them.
-    params = {k: v.detach().clone() for k, v in module.named_parameters()}
-    buffers = {k: v.detach().clone() for k, v in module.named_buffers()}
+
+
+def _one_sample_output(
+    module: nn.Module,
+    config: ModelConfig,
+    params: Mapping[str, torch.Tensor],
+    buffers: Mapping[str, torch.Tensor],
+    shape: tuple[int, ...],
+) -> torch.Tensor:
+    """The model's output for one all-zero sample; a ContractError unless it is one float tensor."""
+    stage, name = _stage(config), _model_name(config)
     dtype = getattr(torch, config.dtype)
     try:
         with torch.no_grad():
@@ -439,7 +476,12 @@ def prepare(config: ModelConfig, inputs: Mapping[str, Artifact], ctx: StageConte
             expected="floating-point outputs (gradients and Jacobians need them)",
             fix="return floating-point values, e.g. out.to(x.dtype)",
         )
-    n_out = int(out.numel())
+    return out
+
+
+def _check_target(config: ModelConfig, inputs: Mapping[str, Artifact], n_out: int) -> None:
+    """Raise unless objective mse has a target with one value per model output."""
+    stage = _stage(config)
     target = inputs["load"].meta["aux"].get("target")
     if config.objective == "mse":
         if target is None:
@@ -454,25 +496,6 @@ def prepare(config: ModelConfig, inputs: Mapping[str, Artifact], ctx: StageConte
                 found=f"{target['n_out']} in variable {target['name']!r}",
                 fix="choose a target variable with one value per model output",
             )
-    batched_probe(module, config, params, buffers, shape, n_out)
-    meta = {
-        "input_shape": list(shape),
-        "input_dims": list(dim_names(module, "input", len(shape))),
-        "output_shape": list(out.shape),
-        "n_out": n_out,
-        "output_dims": ["output"],
-        "params": {k: list(v.shape) for k, v in params.items()},
-        "param_dims": {k: list(dim_names(module, k, v.ndim)) for k, v in params.items()},
-        "buffers": {k: list(v.shape) for k, v in buffers.items()},
-        "objective": config.objective,
-        "wrt": config.wrt,
-        "jacobian": config.jacobian,
-        "dtype": config.dtype,
-        "mode": config.mode,
-    }
-    arrays = {f"param:{k}": v.cpu().numpy() for k, v in params.items()}
-    arrays.update({f"buffer:{k}": v.cpu().numpy() for k, v in buffers.items()})
-    return StageOutput(arrays=arrays, meta=meta)
 
 
 def _per_sample_fns(
@@ -727,6 +750,64 @@ def _output_shapes(meta: Mapping[str, Any], config: ModelConfig) -> dict[str, tu
     return out
 
 
+@dataclass
+class _Pixels:
+    """One tile's pixels as the model takes them, and their model status so far."""
+
+    X: np.ndarray  # (coef, n_px) pixel-last, as stored: a view, never transposed
+    target: np.ndarray | None  # (n_out, n_px); None unless objective mse
+    status: np.ndarray  # (n_px,) int8 model status
+    finite_in: np.ndarray  # (n_px,) the pixel's coefficients are all finite
+    ok: np.ndarray  # indices of the pixels with finite coefficients
+    bad_target: np.ndarray  # (n_px,) finite coefficients but a non-finite target
+
+
+@dataclass
+class _TileRun:
+    """One tile's pixels as they are run, chunk by chunk, and the arrays their outputs go to."""
+
+    px: _Pixels
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    eager: Kernel
+    shapes: dict[str, tuple[int, ...]]  # per-pixel shape of each output
+    dtype: torch.dtype
+    np_dtype: np.dtype
+    device: torch.device
+    dense: bool  # every pixel is run (else only those with finite coefficients)
+    src: np.ndarray  # (coef, n_run) the coefficients run
+    src_t: np.ndarray | None  # (n_out, n_run) their target
+    dest: dict[str, np.ndarray]  # (*shape, n_run) the outputs of the pixels run
+    finite_run: np.ndarray  # (n_run,) the pixel's outputs are all finite
+
+    @property
+    def n_run(self) -> int:
+        """How many pixels are run."""
+        return int(self.src.shape[1])
+
+    def inputs(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Coefficients and target of the pixels ``s:e`` run, on the device in the model dtype."""
+        px = self.px
+        x = self.src[:, s:e]
+        if self.dense and not px.finite_in[s:e].all():
+            x = x.copy()
+            x[:, ~px.finite_in[s:e]] = px.X[:, px.ok[0], None]
+        xt = _as_tensor(x).to(device=self.device, dtype=self.dtype)
+        tt = (
+            None
+            if self.src_t is None
+            else _as_tensor(self.src_t[:, s:e]).to(device=self.device, dtype=self.dtype)
+        )
+        return xt, tt
+
+    def empty(self, m: int) -> dict[str, torch.Tensor]:
+        """Uninitialised outputs of ``m`` pixels on the device."""
+        return {
+            k: torch.empty((*s, m), dtype=self.dtype, device=self.device)
+            for k, s in self.shapes.items()
+        }
+
+
 def run_tile(
     config: ModelConfig,
     inputs: Mapping[str, Artifact],
@@ -735,17 +816,29 @@ def run_tile(
     ctx: StageContext,
 ) -> StageOutput:
     """Predictions, per-sample gradients (and Jacobians) and the model status of one tile."""
-    meta = prepared.meta
-    device = resolve_device(config.device)
-    dtype = getattr(torch, config.dtype)
-    np_dtype = np.dtype(config.dtype)
-    module = build_module(config).to(device)
-    params = _tensors(prepared, "param", meta["params"], device)
-    buffers = _tensors(prepared, "buffer", meta["buffers"], device)
-    shape = tuple(meta["input_shape"])
-    n_out = int(meta["n_out"])
-    shapes = _output_shapes(meta, config)
+    run = _plan_run(config, inputs, prepared, tile)
+    eager = run.eager
+    chunk = _chunk_pixels(config, run, ctx.memory_budget)
+    kernel, compile_key = _pick_kernel(run, config, inputs, prepared, ctx.logger)
+    kernel = _run_chunks(run, kernel, chunk, compile_key, ctx.logger)
+    out, finite_out = _tile_outputs(run)
+    px = run.px
+    if px.bad_target.any():
+        # A non-finite target has no meaningful gradient (it would be NaN or ±inf anyway);
+        # predictions and Jacobians do not involve the target and are kept.
+        for name, arr in out.items():
+            if name.startswith("grad:"):
+                arr[..., px.bad_target] = np.nan
+    px.status[(px.status == MODEL_STATUS_CODES["ok"]) & ~finite_out] = MODEL_STATUS_CODES[
+        "output_not_finite"
+    ]
+    return _tile_result(px, out, tile, "eager" if kernel is eager else "compiled")
 
+
+def _tile_pixels(
+    config: ModelConfig, inputs: Mapping[str, Artifact], tile: Tile, n_out: int
+) -> _Pixels:
+    """The tile's coefficients and target, with the status of pixels the model cannot run on."""
     coefs = np.asarray(inputs["solve"].array("coefficients"))
     coef = coefs.shape[0]
     X = coefs.reshape(coef, -1)  # pixel-last, as stored: a view, never transposed
@@ -760,58 +853,92 @@ def run_tile(
         target = read_block(inputs["load"], "target", tile).reshape(n_out, -1)
         bad_target = finite_in & ~np.isfinite(target).all(axis=0)
         status[bad_target] = MODEL_STATUS_CODES["target_not_finite"]
+    return _Pixels(X, target, status, finite_in, ok, bad_target)
 
+
+def _plan_run(
+    config: ModelConfig, inputs: Mapping[str, Artifact], prepared: Artifact, tile: Tile
+) -> _TileRun:
+    """The model, the pixels to run and the arrays for their outputs, for one tile."""
+    meta = prepared.meta
+    device = resolve_device(config.device)
+    np_dtype = np.dtype(config.dtype)
+    module = build_module(config).to(device)
+    params = _tensors(prepared, "param", meta["params"], device)
+    buffers = _tensors(prepared, "buffer", meta["buffers"], device)
+    shapes = _output_shapes(meta, config)
+    px = _tile_pixels(config, inputs, tile, int(meta["n_out"]))
+    n_px = px.X.shape[1]
     # Dense: every pixel is computed in place in the stored arrays, a pixel without finite
     # coefficients on a copy of a valid pixel's (a real input, so a forward that could fail
     # on NaN never sees one) and set to NaN after. Mostly-missing tiles are computed compacted
     # (only the valid pixels) and scattered.
-    dense = 2 * len(ok) >= n_px
-    n_run = n_px if dense else len(ok)
-    src = X if dense else X[:, ok]
-    src_t = target if dense or target is None else target[:, ok]
-    dest = {k: np.empty((*s, n_run), np_dtype) for k, s in shapes.items()}
-    finite_run = np.ones(n_run, bool)
-
-    per_px = np_dtype.itemsize * (sum(int(np.prod(s)) for s in shapes.values()) + coef)
-    chunk = config.chunk_pixels or max(
-        256, min(chunk_size(CHUNK_BYTES, per_px), chunk_size(ctx.memory_budget // 4, 4 * per_px))
+    dense = 2 * len(px.ok) >= n_px
+    n_run = n_px if dense else len(px.ok)
+    return _TileRun(
+        px=px,
+        params=params,
+        buffers=buffers,
+        eager=make_kernel(module, config, tuple(meta["input_shape"])),
+        shapes=shapes,
+        dtype=getattr(torch, config.dtype),
+        np_dtype=np_dtype,
+        device=device,
+        dense=dense,
+        src=px.X if dense else px.X[:, px.ok],
+        src_t=px.target if dense or px.target is None else px.target[:, px.ok],
+        dest={k: np.empty((*s, n_run), np_dtype) for k, s in shapes.items()},
+        finite_run=np.ones(n_run, bool),
     )
-    eager = make_kernel(module, config, shape)
-    on_host = device.type == "cpu"
-    dest_t = {k: torch.from_numpy(v) for k, v in dest.items()}
 
-    def chunk_inputs(s: int, e: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = src[:, s:e]
-        if dense and not finite_in[s:e].all():
-            x = x.copy()
-            x[:, ~finite_in[s:e]] = X[:, ok[0], None]
-        xt = _as_tensor(x).to(device=device, dtype=dtype)
-        tt = None if src_t is None else _as_tensor(src_t[:, s:e]).to(device=device, dtype=dtype)
-        return xt, tt
 
-    def empty(m: int) -> dict[str, torch.Tensor]:
-        return {k: torch.empty((*s, m), dtype=dtype, device=device) for k, s in shapes.items()}
+def _chunk_pixels(config: ModelConfig, run: _TileRun, memory_budget: int) -> int:
+    """Pixels per chunk."""
+    coef = run.px.X.shape[0]
+    per_px = run.np_dtype.itemsize * (sum(int(np.prod(s)) for s in run.shapes.values()) + coef)
+    return config.chunk_pixels or max(
+        256, min(chunk_size(CHUNK_BYTES, per_px), chunk_size(memory_budget // 4, 4 * per_px))
+    )
 
-    kernel: Kernel = eager
+
+def _pick_kernel(
+    run: _TileRun,
+    config: ModelConfig,
+    inputs: Mapping[str, Artifact],
+    prepared: Artifact,
+    logger: logging.Logger,
+) -> tuple[Kernel, str]:
+    """The kernel to start the tile with (compiled when asked for and checked) and its cache key."""
+    kernel: Kernel = run.eager
     grid_px = int(inputs["load"].meta["ny"]) * int(inputs["load"].meta["nx"])
     want_compile = config.compile == "always" or (
         config.compile == "auto" and grid_px >= COMPILE_MIN_PIXELS
     )
-    compile_key = f"{prepared.key}:{device}"
-    if want_compile and n_run > 1:
-        m = min(COMPILE_CHECK_PIXELS, n_run)
+    compile_key = f"{prepared.key}:{run.device}"
+    if want_compile and run.n_run > 1:
+        m = min(COMPILE_CHECK_PIXELS, run.n_run)
         compiled = compiled_kernel(
             compile_key,
-            eager,
-            (params, buffers, *chunk_inputs(0, m)),
-            empty,
-            ctx.logger,
+            run.eager,
+            (run.params, run.buffers, *run.inputs(0, m)),
+            run.empty,
+            logger,
         )
-        kernel = compiled or eager
-    for s in range(0, n_run, chunk):
-        e = min(n_run, s + chunk)
-        x, t = chunk_inputs(s, e)
-        views = {k: v[..., s:e] for k, v in dest_t.items()} if on_host else empty(e - s)
+        kernel = compiled or run.eager
+    return kernel, compile_key
+
+
+def _run_chunks(
+    run: _TileRun, kernel: Kernel, chunk: int, compile_key: str, logger: logging.Logger
+) -> Kernel:
+    """Fill ``run.dest`` and ``run.finite_run``; returns the kernel in use at the end."""
+    eager, params, buffers = run.eager, run.params, run.buffers
+    on_host = run.device.type == "cpu"
+    dest_t = {k: torch.from_numpy(v) for k, v in run.dest.items()}
+    for s in range(0, run.n_run, chunk):
+        e = min(run.n_run, s + chunk)
+        x, t = run.inputs(s, e)
+        views = {k: v[..., s:e] for k, v in dest_t.items()} if on_host else run.empty(e - s)
         # One pixel would make the compiler specialise (recompile) on a size of 1.
         fn = kernel if e - s > 1 else eager
         if fn is not eager:
@@ -821,7 +948,7 @@ def run_tile(
         except Exception as exc:
             if fn is eager:
                 raise
-            ctx.logger.warning("model: compiled kernel failed, running eager: %s", _first_line(exc))
+            logger.warning("model: compiled kernel failed, running eager: %s", _first_line(exc))
             _forget_compiled(compile_key)
             kernel = eager
             flags = eager(params, buffers, x, t, views)
@@ -829,48 +956,53 @@ def run_tile(
             for k, v in views.items():
                 dest_t[k][..., s:e].copy_(v)
         if flags is not None:
-            finite_run[s:e] = flags.cpu().numpy()
+            run.finite_run[s:e] = flags.cpu().numpy()
         else:
-            for arr in dest.values():
-                finite_run[s:e] &= np.isfinite(arr[..., s:e].reshape(-1, e - s)).all(axis=0)
+            for arr in run.dest.values():
+                run.finite_run[s:e] &= np.isfinite(arr[..., s:e].reshape(-1, e - s)).all(axis=0)
+    return kernel
 
-    if dense:
-        out = dest
-        finite_out = finite_run
-        missing = np.flatnonzero(~finite_in)
+
+def _tile_outputs(run: _TileRun) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Every output at every pixel of the tile, and whether each pixel's outputs are all finite.
+
+    Pixels without finite coefficients get NaN outputs.
+    """
+    px = run.px
+    n_px = px.X.shape[1]
+    if run.dense:
+        out = run.dest
+        finite_out = run.finite_run
+        missing = np.flatnonzero(~px.finite_in)
         if len(missing):
             for arr in out.values():
                 arr[..., missing] = np.nan
     else:
-        out = {k: np.full((*s, n_px), np.nan, np_dtype) for k, s in shapes.items()}
+        out = {k: np.full((*s, n_px), np.nan, run.np_dtype) for k, s in run.shapes.items()}
         for k, arr in out.items():
-            arr[..., ok] = dest[k]
+            arr[..., px.ok] = run.dest[k]
         finite_out = np.zeros(n_px, bool)
-        finite_out[ok] = finite_run
-    if bad_target.any():
-        # A non-finite target has no meaningful gradient (it would be NaN or ±inf anyway);
-        # predictions and Jacobians do not involve the target and are kept.
-        for name, arr in out.items():
-            if name.startswith("grad:"):
-                arr[..., bad_target] = np.nan
-    status[(status == MODEL_STATUS_CODES["ok"]) & ~finite_out] = MODEL_STATUS_CODES[
-        "output_not_finite"
-    ]
+        finite_out[px.ok] = run.finite_run
+    return out, finite_out
 
+
+def _tile_result(px: _Pixels, out: dict[str, np.ndarray], tile: Tile, kernel: str) -> StageOutput:
+    """The tile's arrays in (…, y, x) layout, with its pixel and status counts."""
+    n_px = px.X.shape[1]
     counts = {
         MODEL_STATUS_FLAGS[int(k)]: int(v)
-        for k, v in zip(*np.unique(status, return_counts=True), strict=True)
+        for k, v in zip(*np.unique(px.status, return_counts=True), strict=True)
     }
     ny, nx = tile.shape
     arrays = {k: v.reshape(*v.shape[:-1], ny, nx) for k, v in out.items()}
-    arrays["model_status"] = status.reshape(ny, nx)
+    arrays["model_status"] = px.status.reshape(ny, nx)
     return StageOutput(
         arrays=arrays,
         meta={
-            "pixels": len(ok),
-            "skipped": int(n_px - len(ok)),
+            "pixels": len(px.ok),
+            "skipped": int(n_px - len(px.ok)),
             "model_status_counts": counts,
-            "kernel": "eager" if kernel is eager else "compiled",
+            "kernel": kernel,
         },
     )
 

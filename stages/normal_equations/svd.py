@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from gridsolve.schemas.config import SVDNormalEquations
+from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
 from gridsolve.stages.design.builtin import conditioning
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.registry import StageDecl, register

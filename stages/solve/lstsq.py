@@ -40,9 +40,9 @@ import scipy.special
 import torch
 
 from gridsolve.schemas.artifacts import Tile
-from gridsolve.schemas.config import LstsqSolve
 from gridsolve.schemas.contracts import STATUS_FLAGS, ArraySpec
 from gridsolve.schemas.errors import ContractError, NumericalError
+from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device
 from gridsolve.stages.engine.registry import StageDecl, register
@@ -151,6 +151,28 @@ def make_operator(
     tiles a pass over their data to look for values near the dtype's limits.
     """
     n_obs, coef = A.shape
+    _refuse_zero_weights(sqrtw)
+    op = linalg.svd_operator(A * sqrtw[:, None], policy_of(config), svd=svd)
+    _refuse_singular_cholesky(op, config, n_obs, coef)
+    _refuse_coarse_float32(op, config)
+    Q = _residual_basis(A, sqrtw, op, config)
+    return SharedOperator(
+        A=A,
+        sqrtw=sqrtw,
+        P=op.P * sqrtw[None, :],
+        Q=Q,
+        cond=op.cond,
+        rank=op.rank,
+        method=op.method,
+        min_valid=min_valid_of(config, coef),
+        data_max=data_max,
+        identifiable=op.identifiable,
+        spans_const=linalg.spans_constant(A[sqrtw > 0], policy_of(config)),
+    )
+
+
+def _refuse_zero_weights(sqrtw: np.ndarray) -> None:
+    """Raise a ContractError when no observation has a weight > 0."""
     if not (sqrtw > 0).any():
         raise ContractError(
             "the shared weights are all zero: no observation has weight > 0",
@@ -158,7 +180,12 @@ def make_operator(
             fix="check load.weights (does it name the right variable?): "
             "at least one observation needs a weight > 0",
         )
-    op = linalg.svd_operator(A * sqrtw[:, None], policy_of(config), svd=svd)
+
+
+def _refuse_singular_cholesky(
+    op: linalg.Operator, config: LstsqSolve, n_obs: int, coef: int
+) -> None:
+    """Raise a NumericalError when policy cholesky meets a design it cannot factorise."""
     if config.policy == "cholesky" and op.status != linalg.OK:
         why = (
             f"coef ({coef}) > obs ({n_obs}), so AᵀA is singular"
@@ -173,6 +200,10 @@ def make_operator(
             fix="set solve.policy: minnorm (minimum-norm solution), or solve.policy: ridge "
             "with solve.ridge > 0; or use fewer coefficients",
         )
+
+
+def _refuse_coarse_float32(op: linalg.Operator, config: LstsqSolve) -> None:
+    """Raise a NumericalError when float32 cannot resolve a design this ill-conditioned."""
     if config.dtype == "float32" and op.cond > FLOAT32_MAX_COND:
         raise NumericalError(
             "float32 is too coarse for this design",
@@ -183,30 +214,23 @@ def make_operator(
             fix="set solve.dtype: float64, or use a better-scaled design "
             "(e.g. design.scale: true, fewer polynomial degrees)",
         )
-    Q = None
-    rank_left = n_obs - op.rank
+
+
+def _residual_basis(
+    A: np.ndarray, sqrtw: np.ndarray, op: linalg.Operator, config: LstsqSolve
+) -> np.ndarray | None:
+    """The :attr:`SharedOperator.Q` of this design, or None where it does not apply or pay."""
+    rank_left = A.shape[0] - op.rank
     if (
         op.status == linalg.OK
         and config.policy != "ridge"
         and (sqrtw == 1).all()
-        and rank_left <= coef
+        and rank_left <= A.shape[1]
     ):
         # b − A c = (I − U_r U_rᵀ) b: its norm is that of b's part outside range(A).
         U_full = np.linalg.svd(A, full_matrices=True)[0]
-        Q = np.ascontiguousarray(U_full[:, op.rank :].T)
-    return SharedOperator(
-        A=A,
-        sqrtw=sqrtw,
-        P=op.P * sqrtw[None, :],
-        Q=Q,
-        cond=op.cond,
-        rank=op.rank,
-        method=op.method,
-        min_valid=min_valid_of(config, coef),
-        data_max=data_max,
-        identifiable=op.identifiable,
-        spans_const=linalg.spans_constant(A[sqrtw > 0], policy_of(config)),
-    )
+        return np.ascontiguousarray(U_full[:, op.rank :].T)
+    return None
 
 
 def prepare(config: LstsqSolve, inputs: Mapping[str, Artifact], ctx: StageContext) -> StageOutput:
@@ -483,6 +507,84 @@ def _statistics(
     return out
 
 
+@dataclass
+class _Block:
+    """A block being solved: its inputs and settings, its status, paths taken and timings."""
+
+    B: np.ndarray  # (obs, P)
+    op: SharedOperator
+    config: LstsqSolve
+    dtype: np.dtype  # of the stored results
+    device: torch.device
+    pol: linalg.Policy
+    full: bool  # the covariance is asked for
+    mom: _Moments | None  # None: no uncertainty asked for
+    clock: float  # when the block started (perf_counter)
+    seconds: dict[str, float]
+    paths: dict[str, int]
+    status: np.ndarray  # (P,) int8
+
+    @classmethod
+    def start(cls, B: np.ndarray, op: SharedOperator, config: LstsqSolve) -> _Block:
+        """A block of pixels ``B`` with nothing solved yet."""
+        dtype = np.dtype(config.dtype)
+        device = resolve_device(config.device)
+        pol = policy_of(config)
+        clock = time.perf_counter()
+        n_px = B.shape[1]
+        full = config.uncertainty == "cov"
+        mom = _Moments(op.A.shape[1], n_px, full) if config.uncertainty != "none" else None
+        return cls(
+            B=B,
+            op=op,
+            config=config,
+            dtype=dtype,
+            device=device,
+            pol=pol,
+            full=full,
+            mom=mom,
+            clock=clock,
+            seconds={"mask": 0.0, "shared": 0.0, "pattern": 0.0, "per_pixel": 0.0},
+            paths={"shared": 0, "pattern": 0, "per_pixel": 0},
+            status=np.zeros(n_px, dtype=np.int8),
+        )
+
+
+@dataclass
+class _Gappy:
+    """Results of a block with gaps, NaN until a path solves the pixel."""
+
+    valid: np.ndarray  # (obs, P) the observations each pixel's fit uses
+    n_valid: np.ndarray  # (P,) int32
+    solvable: np.ndarray  # (P,) enough valid observations
+    per_pixel: np.ndarray  # (P,) left to the per-pixel path
+    C: np.ndarray  # (coef, P) in the stored dtype
+    rms: np.ndarray  # (P,) in the stored dtype
+
+
+@dataclass(frozen=True)
+class _GroupOperator:
+    """The operator that one group of pixels sharing a gap pattern is solved with."""
+
+    P: np.ndarray  # (coef, rows), sqrt-weights folded in
+    Q: np.ndarray | None  # see SharedOperator.Q
+    status: int
+    cond: float
+    path: str  # "shared" or "pattern"
+    spans: bool  # the rows span the constant (R² centred)
+    spread: tuple[np.ndarray, float, np.ndarray | None] | None  # None: not asked for, or unknown
+
+
+@dataclass(frozen=True)
+class _PixelSystems:
+    """What every batch of the per-pixel path shares."""
+
+    At: torch.Tensor  # (obs, coef) float64 design on the device
+    w_shared: torch.Tensor  # (obs, 1) shared weights on the device
+    unweighted: bool  # the shared weights are all 1
+    own_weights: np.ndarray | None  # (obs, P) each pixel's own weights
+
+
 def _solve_block(
     B: np.ndarray,
     op: SharedOperator,
@@ -491,217 +593,323 @@ def _solve_block(
     memory_budget: int,
     gap_patterns: np.ndarray | None,
 ) -> StageOutput:
+    """What :func:`solve_block` returns, before refusing results beyond the dtype's range."""
     if gap_patterns is None:
         gap_patterns = np.zeros(0, dtype=np.uint64)
-    A, sqrtw = op.A, op.sqrtw
-    n_obs, coef = A.shape
-    dtype = np.dtype(config.dtype)
-    device = resolve_device(config.device)
-    pol = policy_of(config)
-    clock = time.perf_counter()
-    seconds = {"mask": 0.0, "shared": 0.0, "pattern": 0.0, "per_pixel": 0.0}
-    paths = {"shared": 0, "pattern": 0, "per_pixel": 0}
-    n_px = B.shape[1]
-    full = config.uncertainty == "cov"
-    mom = _Moments(coef, n_px, full) if config.uncertainty != "none" else None
-
-    status = np.zeros(n_px, dtype=np.int8)
+    blk = _Block.start(B, op, config)
     finite = np.isfinite(B)
-    if own_weights is None and (sqrtw > 0).all() and finite.all():
+    if own_weights is None and (op.sqrtw > 0).all() and finite.all():
         # No gaps: every pixel uses the shared operator; no grouping, no copies.
-        seconds["mask"] = time.perf_counter() - clock
-        t0 = time.perf_counter()
-        C, rms, wrms, trms = _fit_columns(
-            B,
-            op.P,
-            A,
-            op.Q,
-            dtype,
-            device,
-            data_max=op.data_max,
-            sw=sqrtw if mom is not None else None,
-            centred=op.spans_const,
-        )
-        paths["shared"] = n_px
-        arrays = {
-            "coefficients": C,
-            "residual_rms": rms,
-            "n_valid": np.full(n_px, n_obs, dtype=np.int32),
-            "status": status,
-        }
-        if mom is not None:
-            all_rows = np.ones(n_obs, dtype=bool)
-            mom.put(np.arange(n_px), wrms, trms, *_shared_spread(op, all_rows, full))
-            arrays.update(_statistics(C, arrays["n_valid"], status, mom, config))
-        seconds["shared"] = time.perf_counter() - t0
-        return StageOutput(
-            arrays=arrays,
-            meta={"status_counts": {"ok": n_px}, "paths": paths, "seconds": seconds},
-        )
+        return _solve_gapless(blk)
+    g = _start_gappy(blk, finite, own_weights)
+    if own_weights is None:
+        _solve_patterns(blk, g, finite, gap_patterns)
+    _solve_per_pixel(blk, g, own_weights, memory_budget)
+    return _gappy_output(blk, g)
 
+
+def _solve_gapless(blk: _Block) -> StageOutput:
+    """The results of a block without gaps or zero weights: all by the shared operator."""
+    op, mom = blk.op, blk.mom
+    n_obs = op.A.shape[0]
+    n_px = blk.B.shape[1]
+    blk.seconds["mask"] = time.perf_counter() - blk.clock
+    t0 = time.perf_counter()
+    C, rms, wrms, trms = _fit_columns(
+        blk.B,
+        op.P,
+        op.A,
+        op.Q,
+        blk.dtype,
+        blk.device,
+        data_max=op.data_max,
+        sw=op.sqrtw if mom is not None else None,
+        centred=op.spans_const,
+    )
+    blk.paths["shared"] = n_px
+    arrays = {
+        "coefficients": C,
+        "residual_rms": rms,
+        "n_valid": np.full(n_px, n_obs, dtype=np.int32),
+        "status": blk.status,
+    }
+    if mom is not None:
+        all_rows = np.ones(n_obs, dtype=bool)
+        mom.put(np.arange(n_px), wrms, trms, *_shared_spread(op, all_rows, blk.full))
+        arrays.update(_statistics(C, arrays["n_valid"], blk.status, mom, blk.config))
+    blk.seconds["shared"] = time.perf_counter() - t0
+    return StageOutput(
+        arrays=arrays,
+        meta={"status_counts": {"ok": n_px}, "paths": blk.paths, "seconds": blk.seconds},
+    )
+
+
+def _start_gappy(blk: _Block, finite: np.ndarray, own_weights: np.ndarray | None) -> _Gappy:
+    """Valid observations and their counts of a block with gaps; sets the unsolvable's status."""
+    op, status = blk.op, blk.status
+    sqrtw = op.sqrtw
+    coef = op.A.shape[1]
+    n_px = blk.B.shape[1]
     valid = finite
     if own_weights is not None:
         valid = finite & (own_weights > 0)
     elif not (sqrtw > 0).all():
         valid = finite & (sqrtw > 0)[:, None]
-    C = np.full((coef, n_px), np.nan, dtype=dtype)
-    rms = np.full(n_px, np.nan, dtype=dtype)
+    C = np.full((coef, n_px), np.nan, dtype=blk.dtype)
+    rms = np.full(n_px, np.nan, dtype=blk.dtype)
     n_valid = valid.sum(axis=0).astype(np.int32)
     status[n_valid == 0] = linalg.ALL_MISSING
     status[(n_valid > 0) & (n_valid < op.min_valid)] = linalg.TOO_FEW
     solvable = n_valid >= op.min_valid
-    per_pixel = solvable.copy()
-    if own_weights is None:
-        # Pixels whose gap pattern is the full one, or common in the whole grid,
-        # share one factorisation per pattern; see stages.patterns.
-        full_h = patterns.full_hash(n_obs)
-        if len(gap_patterns):
-            h = patterns.pattern_hash(finite)
-        else:  # no common gap pattern in the grid: only the full one is shared
-            h = np.where(finite.all(axis=0), full_h, np.uint64(0))
-        grouped = solvable & ((h == full_h) | np.isin(h, gap_patterns))
-        idx_all = np.flatnonzero(grouped)
-        order = np.argsort(h[idx_all], kind="stable")
-        keys, starts = np.unique(h[idx_all][order], return_index=True)
-        seconds["mask"] = time.perf_counter() - clock
-        stops = np.append(starts[1:], len(order)) if len(keys) else starts
-        for k, start, stop in zip(keys, starts, stops, strict=True):
-            t0 = time.perf_counter()
-            idx = idx_all[order[start:stop]]
-            same = (finite[:, idx] == finite[:, idx[:1]]).all(axis=0)
-            idx = idx[same]  # a hash collision (never seen) leaves the others per pixel
-            rows = finite[:, idx[0]] & (sqrtw > 0)  # the valid observations of the group
-            spread: tuple[np.ndarray, float, np.ndarray | None] | None = None
-            spans = op.spans_const
-            if k == full_h:
-                # P's columns of zero-weight observations are zero: drop them.
-                P, Q, st, cond = op.P[:, rows], op.Q if rows.all() else None, linalg.OK, op.cond
-                path = "shared"
-                if mom is not None:
-                    spread = _shared_spread(op, rows, full)
-            else:
-                g_op = linalg.svd_operator(A[rows] * sqrtw[rows, None], pol)
-                P, Q, st, cond = g_op.P * sqrtw[rows][None, :], None, g_op.status, g_op.cond
-                path = "pattern"
-                if mom is not None and g_op.identifiable is not None:
-                    Aw = A[rows] * sqrtw[rows, None]
-                    spread = linalg.operator_spread(g_op.P, Aw, g_op.identifiable, full)
-                    spans = spans or linalg.spans_constant(A[rows], pol)
-            gdtype = dtype if cond <= FLOAT32_MAX_COND else np.dtype(np.float64)
-            C[:, idx], rms[idx], wrms, trms = _fit_columns(
-                B[np.ix_(rows, idx)],
-                P,
-                A[rows],
-                Q,
-                gdtype,
-                device,
-                dtype,
-                op.data_max,
-                sw=sqrtw[rows] if mom is not None else None,
-                centred=spans,
-            )
-            if mom is not None and spread is not None:
-                mom.put(idx, wrms, trms, *spread)
-            status[idx] = st
-            per_pixel[idx] = False
-            paths[path] += len(idx)
-            seconds[path] += time.perf_counter() - t0
+    return _Gappy(valid, n_valid, solvable, solvable.copy(), C, rms)
 
-    todo = np.flatnonzero(per_pixel)
-    paths["per_pixel"] = len(todo)
+
+def _solve_patterns(blk: _Block, g: _Gappy, finite: np.ndarray, gap_patterns: np.ndarray) -> None:
+    """Solve the pixels whose gap pattern is the full one or common in the grid, by pattern."""
+    # Pixels whose gap pattern is the full one, or common in the whole grid,
+    # share one factorisation per pattern; see stages.patterns.
+    full_h = patterns.full_hash(blk.op.A.shape[0])
+    if len(gap_patterns):
+        h = patterns.pattern_hash(finite)
+    else:  # no common gap pattern in the grid: only the full one is shared
+        h = np.where(finite.all(axis=0), full_h, np.uint64(0))
+    grouped = g.solvable & ((h == full_h) | np.isin(h, gap_patterns))
+    idx_all = np.flatnonzero(grouped)
+    order = np.argsort(h[idx_all], kind="stable")
+    keys, starts = np.unique(h[idx_all][order], return_index=True)
+    blk.seconds["mask"] = time.perf_counter() - blk.clock
+    stops = np.append(starts[1:], len(order)) if len(keys) else starts
+    for k, start, stop in zip(keys, starts, stops, strict=True):
+        t0 = time.perf_counter()
+        idx = idx_all[order[start:stop]]
+        same = (finite[:, idx] == finite[:, idx[:1]]).all(axis=0)
+        idx = idx[same]  # a hash collision (never seen) leaves the others per pixel
+        path = _solve_group(blk, g, finite, idx, bool(k == full_h))
+        blk.paths[path] += len(idx)
+        blk.seconds[path] += time.perf_counter() - t0
+
+
+def _solve_group(
+    blk: _Block, g: _Gappy, finite: np.ndarray, idx: np.ndarray, full_pattern: bool
+) -> str:
+    """Solve pixels ``idx``, which share one gap pattern, with one operator; returns the path."""
+    op, mom = blk.op, blk.mom
+    rows = finite[:, idx[0]] & (op.sqrtw > 0)  # the valid observations of the group
+    gop = _shared_restricted(blk, rows) if full_pattern else _pattern_operator(blk, rows)
+    gdtype = blk.dtype if gop.cond <= FLOAT32_MAX_COND else np.dtype(np.float64)
+    g.C[:, idx], g.rms[idx], wrms, trms = _fit_columns(
+        blk.B[np.ix_(rows, idx)],
+        gop.P,
+        op.A[rows],
+        gop.Q,
+        gdtype,
+        blk.device,
+        blk.dtype,
+        op.data_max,
+        sw=op.sqrtw[rows] if mom is not None else None,
+        centred=gop.spans,
+    )
+    if mom is not None and gop.spread is not None:
+        mom.put(idx, wrms, trms, *gop.spread)
+    blk.status[idx] = gop.status
+    g.per_pixel[idx] = False
+    return gop.path
+
+
+def _shared_restricted(blk: _Block, rows: np.ndarray) -> _GroupOperator:
+    """The shared operator restricted to ``rows``, the observations of weight > 0."""
+    op = blk.op
+    # P's columns of zero-weight observations are zero: drop them.
+    return _GroupOperator(
+        P=op.P[:, rows],
+        Q=op.Q if rows.all() else None,
+        status=linalg.OK,
+        cond=op.cond,
+        path="shared",
+        spans=op.spans_const,
+        spread=_shared_spread(op, rows, blk.full) if blk.mom is not None else None,
+    )
+
+
+def _pattern_operator(blk: _Block, rows: np.ndarray) -> _GroupOperator:
+    """A gap pattern's own SVD operator, on its valid observations ``rows``."""
+    A, sqrtw = blk.op.A, blk.op.sqrtw
+    g_op = linalg.svd_operator(A[rows] * sqrtw[rows, None], blk.pol)
+    P = g_op.P * sqrtw[rows][None, :]
+    spread: tuple[np.ndarray, float, np.ndarray | None] | None = None
+    spans = blk.op.spans_const
+    if blk.mom is not None and g_op.identifiable is not None:
+        Aw = A[rows] * sqrtw[rows, None]
+        spread = linalg.operator_spread(g_op.P, Aw, g_op.identifiable, blk.full)
+        spans = spans or linalg.spans_constant(A[rows], blk.pol)
+    return _GroupOperator(
+        P=P, Q=None, status=g_op.status, cond=g_op.cond, path="pattern", spans=spans, spread=spread
+    )
+
+
+def _solve_per_pixel(
+    blk: _Block, g: _Gappy, own_weights: np.ndarray | None, memory_budget: int
+) -> None:
+    """Solve the pixels no shared operator took with their own normal equations (float64)."""
+    op = blk.op
+    todo = np.flatnonzero(g.per_pixel)
+    blk.paths["per_pixel"] = len(todo)
     t0 = time.perf_counter()
     if len(todo):
-        big = max(coef, n_obs) if (config.policy != "cholesky" and coef > n_obs) else coef
-        per_px_bytes = 8 * (3 * big * big + 8 * n_obs + 6 * coef)
-        if mom is not None:  # the spread's per-pixel factors (linalg._primal/_dual_spread)
-            per_px_bytes += 8 * (4 * coef * coef + 2 * n_obs * coef + 4 * n_obs)
-        fit = chunk_size(memory_budget // 4, per_px_bytes, minimum=1024)
-        chunk = config.chunk_pixels or min(8192, fit)
-        At = torch.from_numpy(A).to(device)
-        w_shared = torch.from_numpy(sqrtw**2).to(device)[:, None]
-        unweighted = bool((sqrtw == 1).all())
-        # Mostly per-pixel tiles (clouds) go through contiguous column ranges,
-        # which avoids gathering and scattering; the few other pixels in a range
-        # are computed too and dropped (a pixel's result does not depend on its
-        # neighbours in the batch). Tiles with few such pixels gather them.
-        if len(todo) >= n_px // 2:
-            batches: list[tuple[slice | np.ndarray, np.ndarray]] = [
-                (slice(s0, min(s0 + chunk, n_px)), per_pixel[s0 : s0 + chunk])
-                for s0 in range(0, n_px, chunk)
-            ]
-        else:
-            batches = [
-                (todo[s0 : s0 + chunk], np.ones(len(todo[s0 : s0 + chunk]), dtype=bool))
-                for s0 in range(0, len(todo), chunk)
-            ]
-        for sel, active in batches:
+        chunk = _per_pixel_chunk(blk, memory_budget)
+        systems = _PixelSystems(
+            At=torch.from_numpy(op.A).to(blk.device),
+            w_shared=torch.from_numpy(op.sqrtw**2).to(blk.device)[:, None],
+            unweighted=bool((op.sqrtw == 1).all()),
+            own_weights=own_weights,
+        )
+        for sel, active in _per_pixel_batches(todo, g.per_pixel, blk.B.shape[1], chunk):
             if not active.any():
                 continue
-            vmask = np.ascontiguousarray(valid[:, sel])
-            Vt_ = torch.from_numpy(vmask).to(device)
-            # Invalid observations are NaN or carry zero weight: zero them, weight them 0.
-            B0 = torch.from_numpy(B[:, sel]).to(device, torch.float64, copy=True).nan_to_num_(0.0)
-            if own_weights is not None:
-                Wp: torch.Tensor = torch.from_numpy(own_weights[:, sel]).to(device) * Vt_
-            elif unweighted:
-                Wp = torch.from_numpy(vmask.astype(np.float64)).to(device)
-            else:
-                Wp = w_shared * Vt_
-            act = torch.from_numpy(active).to(device)
-            sp = None
-            if mom is None:
-                x, px_status = linalg.solve_per_pixel(At, B0, Wp, pol, active=act)
-            else:
-                x, px_status, sp = linalg.solve_per_pixel_spread(
-                    At, B0, Wp, pol, full=full, spans_known=op.spans_const, active=act
-                )
-            R = (B0 - linalg.colmm(At, x)).mul_(Vt_)
-            n_v = torch.from_numpy(n_valid[sel].astype(np.float64)).to(device)
-            r_t = linalg.column_rms(R, n_v)
-            r = r_t.cpu().numpy()
-            if mom is not None and sp is not None:
-                plain = own_weights is None and unweighted
-                SW = Wp if plain else Wp.sqrt()  # plain: Wp is the 0/1 mask
-                wr = r_t if plain else linalg.column_rms(R * SW, n_v)
-                if plain:  # B0 is 0 where invalid, Σ Wp = n_valid
-                    mean = linalg.stable_sum(B0) / n_v
-                else:
-                    mean = linalg.stable_sum(Wp * B0) / linalg.stable_sum(Wp)
-                tr = linalg.column_rms((B0 - mean[None, :]).mul_(SW), n_v)
-                if not bool(sp.spans.all()):
-                    tr = torch.where(sp.spans, tr, linalg.column_rms(B0 * SW, n_v))
-                on = np.arange(n_px)[sel][active]
-                cov = None if sp.cov is None else sp.cov[:, :, active].cpu().numpy()
-                mom.put(
-                    on,
-                    wr.cpu().numpy()[active],
-                    tr.cpu().numpy()[active],
-                    sp.var[:, active].cpu().numpy(),
-                    sp.edf.cpu().numpy()[active],
-                    cov,
-                )
-            xs, sts = x.cpu().numpy(), px_status.cpu().numpy()
-            if isinstance(sel, slice) and active.all():
-                C[:, sel], rms[sel], status[sel] = xs, r, sts
-            else:
-                cols = (np.flatnonzero(active) + sel.start) if isinstance(sel, slice) else sel
-                C[:, cols], rms[cols], status[cols] = xs[:, active], r[active], sts[active]
+            _solve_batch(blk, g, systems, sel, active)
         # Solved in float64: a coefficient beyond the stored dtype is inf now.
-        over = ~np.isfinite(C[:, todo]).all(axis=0)
-        rms[todo[over]] = np.inf
-        rms[todo[status[todo] == linalg.SINGULAR]] = np.nan
-    seconds["per_pixel"] = time.perf_counter() - t0
+        over = ~np.isfinite(g.C[:, todo]).all(axis=0)
+        g.rms[todo[over]] = np.inf
+        g.rms[todo[blk.status[todo] == linalg.SINGULAR]] = np.nan
+    blk.seconds["per_pixel"] = time.perf_counter() - t0
 
+
+def _per_pixel_chunk(blk: _Block, memory_budget: int) -> int:
+    """Pixels per batch of the per-pixel path."""
+    config = blk.config
+    n_obs, coef = blk.op.A.shape
+    big = max(coef, n_obs) if (config.policy != "cholesky" and coef > n_obs) else coef
+    per_px_bytes = 8 * (3 * big * big + 8 * n_obs + 6 * coef)
+    if blk.mom is not None:  # the spread's per-pixel factors (linalg._primal/_dual_spread)
+        per_px_bytes += 8 * (4 * coef * coef + 2 * n_obs * coef + 4 * n_obs)
+    fit = chunk_size(memory_budget // 4, per_px_bytes, minimum=1024)
+    return config.chunk_pixels or min(8192, fit)
+
+
+def _per_pixel_batches(
+    todo: np.ndarray, per_pixel: np.ndarray, n_px: int, chunk: int
+) -> list[tuple[slice | np.ndarray, np.ndarray]]:
+    """The per-pixel path's batches: (the pixels of the batch, which of them to solve)."""
+    # Mostly per-pixel tiles (clouds) go through contiguous column ranges,
+    # which avoids gathering and scattering; the few other pixels in a range
+    # are computed too and dropped (a pixel's result does not depend on its
+    # neighbours in the batch). Tiles with few such pixels gather them.
+    if len(todo) >= n_px // 2:
+        return [
+            (slice(s0, min(s0 + chunk, n_px)), per_pixel[s0 : s0 + chunk])
+            for s0 in range(0, n_px, chunk)
+        ]
+    return [
+        (todo[s0 : s0 + chunk], np.ones(len(todo[s0 : s0 + chunk]), dtype=bool))
+        for s0 in range(0, len(todo), chunk)
+    ]
+
+
+def _batch_weights(
+    systems: _PixelSystems,
+    sel: slice | np.ndarray,
+    vmask: np.ndarray,
+    Vt_: torch.Tensor,
+    device: torch.device,
+) -> torch.Tensor:
+    """The weights (obs, batch) of the pixels ``sel``: 0 for their invalid observations."""
+    if systems.own_weights is not None:
+        return torch.from_numpy(systems.own_weights[:, sel]).to(device) * Vt_
+    if systems.unweighted:
+        return torch.from_numpy(vmask.astype(np.float64)).to(device)
+    return systems.w_shared * Vt_
+
+
+def _solve_batch(
+    blk: _Block,
+    g: _Gappy,
+    systems: _PixelSystems,
+    sel: slice | np.ndarray,
+    active: np.ndarray,
+) -> None:
+    """Solve the ``active`` pixels of batch ``sel`` and store their results (and moments)."""
+    device, At, mom = blk.device, systems.At, blk.mom
+    vmask = np.ascontiguousarray(g.valid[:, sel])
+    Vt_ = torch.from_numpy(vmask).to(device)
+    # Invalid observations are NaN or carry zero weight: zero them, weight them 0.
+    B0 = torch.from_numpy(blk.B[:, sel]).to(device, torch.float64, copy=True).nan_to_num_(0.0)
+    Wp = _batch_weights(systems, sel, vmask, Vt_, device)
+    act = torch.from_numpy(active).to(device)
+    sp = None
+    if mom is None:
+        x, px_status = linalg.solve_per_pixel(At, B0, Wp, blk.pol, active=act)
+    else:
+        x, px_status, sp = linalg.solve_per_pixel_spread(
+            At, B0, Wp, blk.pol, full=blk.full, spans_known=blk.op.spans_const, active=act
+        )
+    R = (B0 - linalg.colmm(At, x)).mul_(Vt_)
+    n_v = torch.from_numpy(g.n_valid[sel].astype(np.float64)).to(device)
+    r_t = linalg.column_rms(R, n_v)
+    r = r_t.cpu().numpy()
+    if mom is not None and sp is not None:
+        plain = systems.own_weights is None and systems.unweighted
+        wr, tr = _batch_moments(R, B0, Wp, n_v, r_t, sp.spans, plain)
+        on = np.arange(blk.B.shape[1])[sel][active]
+        cov = None if sp.cov is None else sp.cov[:, :, active].cpu().numpy()
+        mom.put(
+            on,
+            wr.cpu().numpy()[active],
+            tr.cpu().numpy()[active],
+            sp.var[:, active].cpu().numpy(),
+            sp.edf.cpu().numpy()[active],
+            cov,
+        )
+    xs, sts = x.cpu().numpy(), px_status.cpu().numpy()
+    if isinstance(sel, slice) and active.all():
+        g.C[:, sel], g.rms[sel], blk.status[sel] = xs, r, sts
+    else:
+        cols = (np.flatnonzero(active) + sel.start) if isinstance(sel, slice) else sel
+        g.C[:, cols], g.rms[cols], blk.status[cols] = xs[:, active], r[active], sts[active]
+
+
+def _batch_moments(
+    R: torch.Tensor,
+    B0: torch.Tensor,
+    Wp: torch.Tensor,
+    n_v: torch.Tensor,
+    r_t: torch.Tensor,
+    spans: torch.Tensor,
+    plain: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per pixel of a batch: the weighted residual RMS and the weighted RMS of the data.
+
+    The latter about the data's weighted mean where the pixel's valid rows span
+    the constant (``spans``), else about zero. ``plain``: ``Wp`` is the 0/1 mask.
+    """
+    SW = Wp if plain else Wp.sqrt()
+    wr = r_t if plain else linalg.column_rms(R * SW, n_v)
+    if plain:  # B0 is 0 where invalid, Σ Wp = n_valid
+        mean = linalg.stable_sum(B0) / n_v
+    else:
+        mean = linalg.stable_sum(Wp * B0) / linalg.stable_sum(Wp)
+    tr = linalg.column_rms((B0 - mean[None, :]).mul_(SW), n_v)
+    if not bool(spans.all()):
+        tr = torch.where(spans, tr, linalg.column_rms(B0 * SW, n_v))
+    return wr, tr
+
+
+def _gappy_output(blk: _Block, g: _Gappy) -> StageOutput:
+    """The arrays of a block with gaps (and their statistics), with counts, paths and timings."""
     counts_by_status = {
         STATUS_FLAGS[int(k)]: int(v)
-        for k, v in zip(*np.unique(status, return_counts=True), strict=True)
+        for k, v in zip(*np.unique(blk.status, return_counts=True), strict=True)
     }
-    arrays = {"coefficients": C, "residual_rms": rms, "n_valid": n_valid, "status": status}
-    if mom is not None:
-        arrays.update(_statistics(C, n_valid, status, mom, config))
+    arrays = {
+        "coefficients": g.C,
+        "residual_rms": g.rms,
+        "n_valid": g.n_valid,
+        "status": blk.status,
+    }
+    if blk.mom is not None:
+        arrays.update(_statistics(g.C, g.n_valid, blk.status, blk.mom, blk.config))
     return StageOutput(
         arrays=arrays,
-        meta={"status_counts": counts_by_status, "paths": paths, "seconds": seconds},
+        meta={"status_counts": counts_by_status, "paths": blk.paths, "seconds": blk.seconds},
     )
 
 

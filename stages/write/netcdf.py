@@ -17,7 +17,6 @@ import errno
 import json
 import os
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,13 @@ import netCDF4
 import numpy as np
 import xarray as xr
 
-from gridsolve.schemas.config import NetCDFWrite
 from gridsolve.schemas.contracts import MODEL_STATUS_FLAGS, STATUS_FLAGS
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
+from gridsolve.schemas.kinds.write import NetCDFWrite
 from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.contract import contract_of
 from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
-from gridsolve.stages.engine.paths import ensure_allowed, owner_is_dead, writer_tag
+from gridsolve.stages.engine.paths import atomic_file, ensure_allowed, sweep_dead_temporaries
 from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
 from gridsolve.stages.engine.versions import package_versions
@@ -54,14 +54,6 @@ def _free_bytes(folder: Path) -> int:
     except OSError:
         return 2**62
     return st.f_bavail * st.f_frsize
-
-
-def _sweep_dead_temporaries(final: Path) -> None:
-    """Remove temporary files that killed writers left beside ``final``."""
-    for tmp in final.parent.glob(f".{final.name}.gridsolve~*.tmp"):
-        tag = tmp.name.split("~", 1)[1].rsplit("~", 1)[0]
-        if owner_is_dead(tag):
-            tmp.unlink(missing_ok=True)
 
 
 def check_output_path(path: str, overwrite: bool) -> Path:
@@ -256,14 +248,42 @@ def _uncertainty_variables(solve: TiledArtifact, y: str, x: str) -> list[dict[st
     return out
 
 
+def _contract_variables(
+    tiled: Mapping[str, TiledArtifact], described: list[dict[str, Any]], y: str, x: str
+) -> list[dict[str, Any]]:
+    """Variables for the tile arrays a kind's contract declares that this writer does not describe.
+
+    A new tiled kind's arrays reach the file without an edit here: named after
+    the array, with the contract's dims (y and x renamed to the input's) and its
+    description as long_name.
+    """
+    have = {tuple(v["src"]) for v in described}
+    out = []
+    for kind, art in tiled.items():
+        contract = contract_of(kind)
+        if contract is None or not art.tiles:
+            continue
+        for name, spec in contract.part("tile").arrays.items():
+            if (kind, name) in have or name not in art.tiles[0][1]:
+                continue
+            dims = tuple({"y": y, "x": x}.get(d, d) for d in spec.dims)
+            attrs = {"long_name": spec.description} if spec.description else {}
+            out.append({"name": name, "src": (kind, name), "dims": dims, "attrs": attrs})
+    return out
+
+
 def _variables(
     load: Artifact,
     design: Artifact,
-    solve: TiledArtifact,
-    model: TiledArtifact,
+    tiled: Mapping[str, TiledArtifact],
     layout: str = "nested",
 ) -> list[dict[str, Any]]:
-    """Name, source array, dims and attrs of every tiled output variable."""
+    """Name, source array, dims and attrs of every tiled output variable.
+
+    The described variables are a table of CF attributes per output (why this is
+    long); arrays of tiled kinds it does not know come from their contracts.
+    """
+    solve, model = tiled["solve"], tiled["model"]
     y, x = load.meta["y_dim"], load.meta["x_dim"]
     units = load.meta["attrs"].get("units")
     m = model.meta
@@ -366,13 +386,11 @@ def _variables(
                 },
             }
         )
-    first_model_tile = model.tiles[0][1] if model.tiles else None
+    # Optional outputs (gradients w.r.t. what wrt excludes, the Jacobian) where made.
     kept = [
-        v
-        for v in out
-        if v["src"][0] == "solve"
-        or (first_model_tile is not None and v["src"][1] in first_model_tile)
+        v for v in out if tiled[v["src"][0]].tiles and v["src"][1] in tiled[v["src"][0]].tiles[0][1]
     ]
+    kept += _contract_variables(tiled, out, y, x)
     coef_units = coefficient_units(load, design)
     for v in kept:
         _cf_attrs(v, coef_units, units)
@@ -481,114 +499,143 @@ def _label_var(
     var[:] = netCDF4.stringtochar(raw.astype(f"S{max(1, raw.dtype.itemsize)}"))
 
 
+def _keep_obs_units(nc: netCDF4.Dataset, load: Artifact) -> None:
+    """The obs coordinate's units attribute spelt as in the input."""
+    obs_dim = load.meta["obs_dim"]
+    cf = (load.meta.get("coord_cf") or {}).get("obs") or {}
+    units = (cf.get("encoding") or {}).get("units")
+    if units and "units" in nc.variables[obs_dim].ncattrs():
+        # xarray normalises the reference date's spelling; keep the input's.
+        nc.variables[obs_dim].units = units
+
+
+def _array(arts: Mapping[str, Artifact], v: Mapping[str, Any]) -> np.ndarray:
+    """One tile's data of output variable ``v`` (``arts``: that tile of each tiled input)."""
+    kind, name = v["src"]
+    data: np.ndarray = arts[kind].array(name)
+    if "fn" in v:
+        data = v["fn"](data)
+    return data
+
+
+def _flat_labels(v: Mapping[str, Any], lead: tuple[int, ...]) -> list[str]:
+    """``dim=i dim=j`` labels of each element of a flattened variable's leading dims."""
+    return [
+        " ".join(f"{d}={i}" for d, i in zip(v["flat_from"], ix, strict=True))
+        for ix in np.ndindex(*lead)
+    ]
+
+
+def _define(
+    nc: netCDF4.Dataset,
+    v: Mapping[str, Any],
+    first: np.ndarray,
+    sizes: dict[str, int],
+    config: NetCDFWrite,
+    yx: tuple[str, str],
+) -> None:
+    """Create variable ``v`` (and its dims, index and label variables) from its first tile."""
+    lead = first.shape[:-2]
+    if "flat_from" in v:
+        labels = _flat_labels(v, lead)
+        lead = (len(labels),)
+    for d, n in zip(v["dims"][:-2], lead, strict=True):
+        if sizes.setdefault(d, n) != n:
+            raise ContractError(
+                f"dim {d!r} would have two sizes in the output ({sizes[d]} and {n})",
+                stage=STAGE,
+                fix="rename the model's dims (gridsolve_dims) so they do not clash with the "
+                "input's",
+            )
+        if d not in nc.dimensions:
+            nc.createDimension(d, n)
+    if "flat_from" in v:
+        index = v["dims"][0]
+        coord = nc.createVariable(index, "i4", (index,))
+        coord.long_name = f"position in the flattened dims of {v['name']}"
+        coord.units = "1"
+        coord[:] = np.arange(lead[0], dtype=np.int32)
+        what = f"{', '.join(v['flat_from'])} of each element of {v['name']}"
+        _label_var(nc, f"{v['name']}_label", index, labels, what)
+    shape = [sizes[d] for d in v["dims"]]
+    var = nc.createVariable(  # type: ignore[call-overload]
+        v["name"],
+        first.dtype,
+        v["dims"],
+        zlib=config.zlib and config.complevel > 0,
+        complevel=config.complevel or 1,
+        shuffle=config.shuffle,
+        chunksizes=_chunks(v["dims"], shape, *yx, config),
+        fill_value=np.nan if first.dtype.kind == "f" else None,
+    )
+    var.setncatts(v["attrs"])
+
+
+def _write_failure(exc: OSError | RuntimeError, final: Path) -> OutputError:
+    """The user error for a write that failed: no space, or another cause."""
+    # HDF5 reports a full disk or a size limit as a generic "HDF error".
+    space = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+    if space or "HDF error" in str(exc) or _free_bytes(final.parent) < 2**20:
+        return OutputError(
+            f"writing {final} failed: no space left (disk full, quota or file size limit)",
+            stage=STAGE,
+            found=f"{type(exc).__name__}: {exc}",
+            fix="free disk space or write to a larger disk; "
+            "nothing was written under the final name",
+        )
+    return OutputError(
+        f"writing {final} failed",
+        stage=STAGE,
+        found=f"{type(exc).__name__}: {exc}",
+        fix="check write.path; nothing was written under the final name",
+    )
+
+
 def write_netcdf(
     config: NetCDFWrite,
     load: Artifact,
     design: Artifact,
-    solve: TiledArtifact,
-    model: TiledArtifact,
+    tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
-    ctx: StageContext,
 ) -> Path:
-    """Write the output file atomically and return its path."""
+    """Write the output file atomically and return its path.
+
+    ``tiled`` holds every tiled input by kind (all on the same tile plan); each
+    output variable is filled tile by tile, so memory stays at one tile.
+    """
     final = check_output_path(config.path, config.overwrite)
-    _sweep_dead_temporaries(final)
-    tmp = final.with_name(f".{final.name}.gridsolve~{writer_tag()}~{uuid.uuid4().hex[:12]}.tmp")
-    y_dim, x_dim = load.meta["y_dim"], load.meta["x_dim"]
-    ny, nx = int(load.meta["ny"]), int(load.meta["nx"])
-    variables = _variables(load, design, solve, model, config.layout)
-    obs_dim = load.meta["obs_dim"]
-    obs_units = (((load.meta.get("coord_cf") or {}).get("obs") or {}).get("encoding") or {}).get(
-        "units"
-    )
+    sweep_dead_temporaries(final)
+    variables = _variables(load, design, tiled, config.layout)
+    yx = (load.meta["y_dim"], load.meta["x_dim"])
+    plans = [[tile for tile, _ in art.tiles] for art in tiled.values()]
+    if any(p != plans[0] for p in plans):
+        raise ContractError(
+            "the tiled inputs of the writer were computed on different tile plans",
+            stage=STAGE,
+            fix="rerun: every tiled stage of one run uses the run's tile plan",
+        )
     try:
-        _skeleton(load, design, attrs).to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
-        with netCDF4.Dataset(tmp, "a") as nc:
-            if obs_units and "units" in nc.variables[obs_dim].ncattrs():
-                # xarray normalises the reference date's spelling; keep the input's.
-                nc.variables[obs_dim].units = obs_units
-            sizes = {y_dim: ny, x_dim: nx, **{d: len(v) for d, v in nc.dimensions.items()}}
-            first = {"solve": solve.tiles[0][1], "model": model.tiles[0][1]}
-            for v in variables:
-                arr = first[v["src"][0]].array(v["src"][1])
-                if "fn" in v:
-                    arr = v["fn"](arr)
-                lead = arr.shape[:-2]
-                if "flat_from" in v:
-                    index = v["dims"][0]
-                    labels = [
-                        " ".join(f"{d}={i}" for d, i in zip(v["flat_from"], ix, strict=True))
-                        for ix in np.ndindex(*lead)
-                    ]
-                    lead = (len(labels),)
-                for d, n in zip(v["dims"][:-2], lead, strict=True):
-                    if sizes.setdefault(d, n) != n:
-                        raise ContractError(
-                            f"dim {d!r} would have two sizes in the output ({sizes[d]} and {n})",
-                            stage=STAGE,
-                            fix="rename the model's dims (gridsolve_dims) so they do not "
-                            "clash with the input's",
-                        )
-                    if d not in nc.dimensions:
-                        nc.createDimension(d, n)
-                if "flat_from" in v:
-                    coord = nc.createVariable(index, "i4", (index,))
-                    coord.long_name = f"position in the flattened dims of {v['name']}"
-                    coord.units = "1"
-                    coord[:] = np.arange(lead[0], dtype=np.int32)
-                    _label_var(
-                        nc,
-                        f"{v['name']}_label",
-                        index,
-                        labels,
-                        f"{', '.join(v['flat_from'])} of each element of {v['name']}",
-                    )
-                shape = [sizes[d] for d in v["dims"]]
-                fill = np.nan if arr.dtype.kind == "f" else None
-                var = nc.createVariable(  # type: ignore[call-overload]
-                    v["name"],
-                    arr.dtype,
-                    v["dims"],
-                    zlib=config.zlib and config.complevel > 0,
-                    complevel=config.complevel or 1,
-                    shuffle=config.shuffle,
-                    chunksizes=_chunks(v["dims"], shape, y_dim, x_dim, config),
-                    fill_value=fill,
-                )
-                var.setncatts(v["attrs"])
-            for (tile, s_art), (_, m_art) in zip(solve.tiles, model.tiles, strict=True):
-                arts = {"solve": s_art, "model": m_art}
-                ys, xs = slice(tile.y0, tile.y1), slice(tile.x0, tile.x1)
+        with atomic_file(final) as tmp:
+            _skeleton(load, design, attrs).to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
+            with netCDF4.Dataset(tmp, "a") as nc:
+                _keep_obs_units(nc, load)
+                sizes = {yx[0]: int(load.meta["ny"]), yx[1]: int(load.meta["nx"])}
+                sizes.update({d: len(dim) for d, dim in nc.dimensions.items()})
+                first = {kind: art.tiles[0][1] for kind, art in tiled.items()}
                 for v in variables:
-                    data = arts[v["src"][0]].array(v["src"][1])
-                    if "fn" in v:
-                        data = v["fn"](data)
-                    if "flat_from" in v:
-                        data = data.reshape(-1, *data.shape[-2:])
-                    nc.variables[v["name"]][(..., ys, xs)] = data
-        os.replace(tmp, final)
+                    _define(nc, v, _array(first, v), sizes, config, yx)
+                for i, tile in enumerate(plans[0]):
+                    arts = {kind: art.tiles[i][1] for kind, art in tiled.items()}
+                    ys, xs = slice(tile.y0, tile.y1), slice(tile.x0, tile.x1)
+                    for v in variables:
+                        data = _array(arts, v)
+                        if "flat_from" in v:
+                            data = data.reshape(-1, *data.shape[-2:])
+                        nc.variables[v["name"]][(..., ys, xs)] = data
     except GridsolveError:
         raise
     except (OSError, RuntimeError) as exc:
-        # HDF5 reports a full disk or a size limit as a generic "HDF error".
-        space = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-        if space or "HDF error" in str(exc) or _free_bytes(final.parent) < 2**20:
-            raise OutputError(
-                f"writing {final} failed: no space left (disk full, quota or file size limit)",
-                stage=STAGE,
-                found=f"{type(exc).__name__}: {exc}",
-                fix="free disk space or write to a larger disk; "
-                "nothing was written under the final name",
-            ) from exc
-        raise OutputError(
-            f"writing {final} failed",
-            stage=STAGE,
-            found=f"{type(exc).__name__}: {exc}",
-            fix="check write.path; nothing was written under the final name",
-        ) from exc
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+        raise _write_failure(exc, final) from exc
     return final
 
 
@@ -596,8 +643,7 @@ def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> St
     """Write the output NetCDF; the stored artifact records its size and checksum."""
     configs: dict[str, Any] = {}
     keys: dict[str, str] = {}
-    for kind in ("load", "design", "normal_equations", "solve", "model"):
-        art = inputs[kind]
+    for kind, art in inputs.items():
         made = art.prepared.info if isinstance(art, TiledArtifact) else art.info
         # Keys leave input file paths out (they cover the content); the file records
         # the paths this run read, which are part of this stage's key (records_sources).
@@ -612,9 +658,8 @@ def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> St
         inputs["load"].meta["content_hash"],
         history=inputs["load"].meta.get("history", ""),
     )
-    path = write_netcdf(
-        config, inputs["load"], inputs["design"], inputs["solve"], inputs["model"], attrs, ctx
-    )
+    tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
+    path = write_netcdf(config, inputs["load"], inputs["design"], tiled, attrs)
     return StageOutput(
         meta={"path": str(path), "size": path.stat().st_size, "xxh3": file_digest(path)}
     )

@@ -158,3 +158,21 @@ def test_seed_demo_matches_lstsq(tmp_path: Path) -> None:
     ref = np.linalg.lstsq(A, B, rcond=None)[0]
     rel = np.linalg.norm(C - ref, axis=0) / np.linalg.norm(ref, axis=0)
     assert rel.max() < 1e-6, rel.max()
+
+
+def test_stages_lists_every_kind_in_order_and_every_implementation() -> None:
+    from gridsolve.schemas.pipeline import DEFAULT_IMPL, STAGE_KINDS
+    from gridsolve.stages.engine.registry import implementations
+
+    proc = gridsolve("stages", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    heads = [ln.split(" ")[0] for ln in lines if not ln.startswith(" ")]
+    assert heads == list(STAGE_KINDS)
+    for kind in STAGE_KINDS:
+        block = lines[lines.index(next(ln for ln in lines if ln.startswith(f"{kind} ("))) :]
+        for impl, decl in implementations(kind).items():
+            if not decl.run.__module__.startswith("gridsolve."):
+                continue  # a test plugin registered in this process only
+            mark = " (default)" if DEFAULT_IMPL[kind] == impl else ""
+            assert f"  {impl}{mark}: {decl.summary}" in block

@@ -14,7 +14,7 @@ import pytest
 import xarray as xr
 
 from gridsolve.flows.pipeline import run_config
-from gridsolve.schemas.config import build_config
+from gridsolve.schemas.pipeline import build_config
 from gridsolve.stages.engine.agreement import disagreements
 
 from testkit import make_ds

@@ -26,8 +26,8 @@ from prefect.logging.handlers import APILogWorker
 
 import gridsolve.flows.pipeline as pipeline_module
 from gridsolve.flows.pipeline import pipeline
-from gridsolve.schemas.config import PipelineConfig, build_config
 from gridsolve.schemas.errors import StageError
+from gridsolve.schemas.pipeline import PipelineConfig, build_config
 
 from testkit import make_ds
 

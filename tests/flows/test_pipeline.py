@@ -12,7 +12,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from gridsolve.flows.pipeline import RunSummary, run_config
-from gridsolve.schemas.config import build_config
+from gridsolve.schemas.pipeline import build_config
 
 from testkit import CONTRACT, make_ds
 

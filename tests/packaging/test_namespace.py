@@ -40,7 +40,11 @@ def test_wheel_installs_only_the_gridsolve_top_level_name(tmp_path: Path) -> Non
     # the links were followed: real files, the registry and the flow are inside
     assert "gridsolve/stages/engine/registry.py" in names
     assert "gridsolve/flows/pipeline.py" in names
-    assert "gridsolve/schemas/config.py" in names
+    assert "gridsolve/schemas/kinds/solve.py" in names
+    # every package of the tree is listed in pyproject's packages (none left out of the wheel)
+    for top in ("flows", "stages", "schemas"):
+        for init in (REPO / top).rglob("__init__.py"):
+            assert f"gridsolve/{init.relative_to(REPO).as_posix()}" in names, init
 
 
 def test_local_folders_named_like_the_packages_do_not_shadow_them(tmp_path: Path) -> None:

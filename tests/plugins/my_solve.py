@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from gridsolve.schemas.config import SolveConfig
+from gridsolve.schemas.kinds.solve import SolveConfig
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.registry import StageDecl, register, unregister
 from gridsolve.stages.engine.store import StageOutput

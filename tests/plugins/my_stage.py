@@ -8,7 +8,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from gridsolve.schemas.config import DesignConfig
+from gridsolve.schemas.kinds.design import DesignConfig
 from gridsolve.stages.engine.registry import StageDecl, register, unregister
 from gridsolve.stages.engine.store import StageOutput
 

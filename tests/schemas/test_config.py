@@ -8,17 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gridsolve.schemas.config import (
-    DEMO_DEFAULTS,
-    LstsqSolve,
-    NetCDFWrite,
-    PipelineConfig,
-    apply_overrides,
-    build_config,
-    load_config,
-    parse_size,
-)
 from gridsolve.schemas.errors import ConfigError
+from gridsolve.schemas.execution import parse_size
+from gridsolve.schemas.kinds.solve import LstsqSolve
+from gridsolve.schemas.kinds.write import NetCDFWrite
+from gridsolve.schemas.pipeline import DEMO_DEFAULTS, PipelineConfig, build_config
+from gridsolve.schemas.reading import apply_overrides, load_config
 from gridsolve.stages.engine.hashing import canonical_json
 
 

@@ -19,7 +19,8 @@ import torch
 
 
 def _cases() -> list[tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]]:
-    from gridsolve.schemas.config import HarmonicDesign, LstsqSolve, RandomDesign
+    from gridsolve.schemas.kinds.design import HarmonicDesign, RandomDesign
+    from gridsolve.schemas.kinds.solve import LstsqSolve
 
     return [
         # dense float32 cube, shared operator, coef > obs (minimum norm)
@@ -70,7 +71,9 @@ def _testkit() -> tuple[Any, Any]:
 def compute(out: Path) -> None:
     """Save every case's outputs under every tiling to ``out`` (npz)."""
     import gridsolve.stages  # noqa: F401
-    from gridsolve.schemas.config import MultidimLinearModel, NetCDFLoad, SVDNormalEquations
+    from gridsolve.schemas.kinds.load import NetCDFLoad
+    from gridsolve.schemas.kinds.model import MultidimLinearModel
+    from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
     from gridsolve.stages.engine.context import StageContext
     from gridsolve.stages.engine.store import Store
 

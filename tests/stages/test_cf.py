@@ -21,15 +21,12 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from gridsolve.schemas.config import (
-    HarmonicDesign,
-    LstsqSolve,
-    MultidimLinearModel,
-    NetCDFLoad,
-    NetCDFWrite,
-    PolynomialDesign,
-    SVDNormalEquations,
-)
+from gridsolve.schemas.kinds.design import HarmonicDesign, PolynomialDesign
+from gridsolve.schemas.kinds.load import NetCDFLoad
+from gridsolve.schemas.kinds.model import MultidimLinearModel
+from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
+from gridsolve.schemas.kinds.solve import LstsqSolve
+from gridsolve.schemas.kinds.write import NetCDFWrite
 from gridsolve.stages.write.netcdf import per_unit
 
 from testkit import Chain

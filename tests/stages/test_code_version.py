@@ -17,13 +17,11 @@ from typing import Any
 import pytest
 
 from gridsolve.schemas.artifacts import ArtifactRef
-from gridsolve.schemas.config import (
-    LstsqSolve,
-    ModuleModel,
-    NetCDFLoad,
-    PolynomialDesign,
-    SVDNormalEquations,
-)
+from gridsolve.schemas.kinds.design import PolynomialDesign
+from gridsolve.schemas.kinds.load import NetCDFLoad
+from gridsolve.schemas.kinds.model import ModuleModel
+from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
+from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.engine import versions
 from gridsolve.stages.engine.runner import whole_key
 from gridsolve.stages.write.netcdf import provenance
@@ -38,7 +36,10 @@ PIPELINE = """
 import json, sys
 import numpy as np
 import gridsolve.stages
-from gridsolve.schemas.config import LstsqSolve, NetCDFLoad, PolynomialDesign, SVDNormalEquations
+from gridsolve.schemas.kinds.solve import LstsqSolve
+from gridsolve.schemas.kinds.load import NetCDFLoad
+from gridsolve.schemas.kinds.design import PolynomialDesign
+from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.store import Store
 from testkit import Chain

@@ -22,7 +22,7 @@ import pytest
 import torch
 import xarray as xr
 
-from gridsolve.schemas.config import build_config
+from gridsolve.schemas.pipeline import build_config
 from gridsolve.stages.engine.contract import contracts
 from gridsolve.stages.engine.registry import implementations
 

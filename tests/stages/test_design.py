@@ -8,14 +8,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gridsolve.schemas.config import (
+from gridsolve.schemas.errors import ContractError
+from gridsolve.schemas.kinds.design import (
     HarmonicDesign,
-    NetCDFLoad,
     PolynomialDesign,
     RandomDesign,
     VariableDesign,
 )
-from gridsolve.schemas.errors import ContractError
+from gridsolve.schemas.kinds.load import NetCDFLoad
 
 from testkit import Chain, make_ds
 

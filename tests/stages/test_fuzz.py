@@ -20,8 +20,8 @@ import xarray as xr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gridsolve.schemas.config import build_config
 from gridsolve.schemas.errors import GridsolveError
+from gridsolve.schemas.pipeline import build_config
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.store import Store
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from gridsolve.schemas.artifacts import Tile
-from gridsolve.schemas.config import NetCDFLoad
 from gridsolve.schemas.errors import ContractError, InputError
+from gridsolve.schemas.kinds.load import NetCDFLoad
 from gridsolve.stages.load.netcdf import fingerprint, infer_dims, locate, read_block, run
 
 from testkit import Chain, make_ds

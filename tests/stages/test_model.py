@@ -12,17 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gridsolve.schemas.config import (
-    LstsqSolve,
-    ModuleModel,
-    MultidimLinearModel,
-    NetCDFLoad,
-    NetCDFWrite,
-    RandomDesign,
-    SVDNormalEquations,
-)
 from gridsolve.schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS
 from gridsolve.schemas.errors import ConfigError, ContractError, InputError
+from gridsolve.schemas.kinds.design import RandomDesign
+from gridsolve.schemas.kinds.load import NetCDFLoad
+from gridsolve.schemas.kinds.model import ModuleModel, MultidimLinearModel
+from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
+from gridsolve.schemas.kinds.solve import LstsqSolve
+from gridsolve.schemas.kinds.write import NetCDFWrite
 from gridsolve.stages.model.multidim_linear import MultidimLinear
 from gridsolve.stages.model.vmapped import build_module
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gridsolve.schemas.config import render_template
 from gridsolve.schemas.errors import OutputError
+from gridsolve.schemas.templating import render_template
 from gridsolve.stages.engine.paths import ALLOWED_ROOTS_ENV, ensure_allowed
 from gridsolve.stages.engine.store import Store
 

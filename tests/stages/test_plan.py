@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from gridsolve.schemas.config import STAGE_KINDS, DesignConfig, build_config
 from gridsolve.schemas.errors import ConfigError
+from gridsolve.schemas.kinds.design import DesignConfig
+from gridsolve.schemas.pipeline import STAGE_KINDS, build_config
 from gridsolve.stages.engine.plan import build_plan
 from gridsolve.stages.engine.registry import StageDecl, register, unregister
 from gridsolve.stages.engine.store import StageOutput
@@ -205,3 +206,18 @@ def test_imports_go_one_way_and_form_no_cycle() -> None:
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
+
+
+def test_the_flow_takes_one_parameter_per_config_section() -> None:
+    # Prefect builds the UI form (and prefect deploy the schema) from the flow's own
+    # signature, read from its source: a new kind's field must appear there too.
+    import inspect
+
+    from gridsolve.flows.pipeline import pipeline
+    from gridsolve.schemas.pipeline import PipelineConfig
+
+    params = inspect.signature(pipeline.fn).parameters
+    assert list(params) == list(PipelineConfig.model_fields)
+    # every parameter has a default, and together they are a valid config (the demo)
+    cfg = build_config({name: p.default for name, p in params.items()})
+    assert cfg.stage_configs()["design"].impl == "random"

@@ -12,8 +12,9 @@ import pytest
 
 import gridsolve.stages.engine.registry as registry
 from gridsolve.schemas import catalog
-from gridsolve.schemas.config import DEMO_DEFAULTS, NetCDFLoad, PipelineConfig, build_config
 from gridsolve.schemas.errors import ConfigError
+from gridsolve.schemas.kinds.load import NetCDFLoad
+from gridsolve.schemas.pipeline import DEMO_DEFAULTS, PipelineConfig, build_config
 
 from testkit import Chain
 

@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 
 from gridsolve.schemas.artifacts import Tile
-from gridsolve.schemas.config import (
-    HarmonicDesign,
-    LstsqSolve,
-    NetCDFLoad,
-    PolynomialDesign,
-    RandomDesign,
-    SVDNormalEquations,
-    VariableDesign,
-)
 from gridsolve.schemas.contracts import STATUS_CODES
 from gridsolve.schemas.errors import ContractError, NumericalError
+from gridsolve.schemas.kinds.design import (
+    HarmonicDesign,
+    PolynomialDesign,
+    RandomDesign,
+    VariableDesign,
+)
+from gridsolve.schemas.kinds.load import NetCDFLoad
+from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
+from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.engine.agreement import disagreements
 
 from testkit import Chain, make_ds

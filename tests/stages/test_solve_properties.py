@@ -177,8 +177,8 @@ def cubes(draw: Any) -> dict[str, Any]:
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cubes(), st.sampled_from(["float64", "float32"]))
 def test_solve_block_every_pixel_is_lstsq_or_flagged(c: dict[str, Any], dtype: str) -> None:
-    from gridsolve.schemas.config import LstsqSolve
     from gridsolve.schemas.errors import NumericalError
+    from gridsolve.schemas.kinds.solve import LstsqSolve
     from gridsolve.stages.load.patterns import common_patterns, full_hash, pattern_hash
     from gridsolve.stages.solve.lstsq import make_operator, solve_block
 

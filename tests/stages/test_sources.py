@@ -17,15 +17,13 @@ import pytest
 import xarray as xr
 from safetensors.torch import save_file
 
-from gridsolve.schemas.config import (
-    LstsqSolve,
-    MultidimLinearModel,
-    NetCDFLoad,
-    NetCDFWrite,
-    RandomDesign,
-    SVDNormalEquations,
-)
 from gridsolve.schemas.errors import InputError
+from gridsolve.schemas.kinds.design import RandomDesign
+from gridsolve.schemas.kinds.load import NetCDFLoad
+from gridsolve.schemas.kinds.model import MultidimLinearModel
+from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
+from gridsolve.schemas.kinds.solve import LstsqSolve
+from gridsolve.schemas.kinds.write import NetCDFWrite
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.runner import run_stage, with_sources
 from gridsolve.stages.engine.store import Store

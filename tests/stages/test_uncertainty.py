@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import statsmodels.api as sm
 
-from gridsolve.schemas.config import LstsqSolve, PolynomialDesign, RandomDesign
 from gridsolve.schemas.contracts import STATUS_CODES
+from gridsolve.schemas.kinds.design import PolynomialDesign, RandomDesign
+from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.solve.lstsq import make_operator, solve_block
 
 from testkit import Chain, make_ds
@@ -277,7 +278,8 @@ def test_float32_close_to_float64() -> None:
 
 
 def test_stage_matches_xarray_polyfit_cov_on_gap_free_pixels(chain: Chain, write_cube: Any) -> None:
-    from gridsolve.schemas.config import NetCDFLoad, SVDNormalEquations
+    from gridsolve.schemas.kinds.load import NetCDFLoad
+    from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
 
     ds = make_ds(n_obs=40, ny=6, nx=6, nan_fraction=0.2, datetime_obs=False)
     ds["signal"][:, :2, :] = make_ds(n_obs=40, ny=6, nx=6, datetime_obs=False)["signal"][:, :2, :]
@@ -292,7 +294,8 @@ def test_stage_matches_xarray_polyfit_cov_on_gap_free_pixels(chain: Chain, write
 
 
 def test_stage_on_a_random_design_above_obs(chain: Chain, write_cube: Any) -> None:
-    from gridsolve.schemas.config import NetCDFLoad, SVDNormalEquations
+    from gridsolve.schemas.kinds.load import NetCDFLoad
+    from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
 
     ds = make_ds(n_obs=12, ny=3, nx=3)
     chain.whole("load", NetCDFLoad(path=str(write_cube(ds))))
@@ -310,12 +313,10 @@ def test_written_with_cf_attributes_and_tiles_agree(
     import xarray as xr
 
     from gridsolve.schemas.artifacts import Tile
-    from gridsolve.schemas.config import (
-        MultidimLinearModel,
-        NetCDFLoad,
-        NetCDFWrite,
-        SVDNormalEquations,
-    )
+    from gridsolve.schemas.kinds.load import NetCDFLoad
+    from gridsolve.schemas.kinds.model import MultidimLinearModel
+    from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
+    from gridsolve.schemas.kinds.write import NetCDFWrite
     from gridsolve.stages.engine.agreement import disagreements
     from gridsolve.stages.solve.lstsq import UNCERTAINTY_FLAGS
 

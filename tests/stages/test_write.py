@@ -13,16 +13,14 @@ import pytest
 import xarray as xr
 
 from gridsolve.schemas.artifacts import Tile
-from gridsolve.schemas.config import (
-    LstsqSolve,
-    MultidimLinearModel,
-    NetCDFLoad,
-    NetCDFWrite,
-    RandomDesign,
-    SVDNormalEquations,
-)
 from gridsolve.schemas.contracts import STATUS_FLAGS
 from gridsolve.schemas.errors import ContractError, OutputError
+from gridsolve.schemas.kinds.design import RandomDesign
+from gridsolve.schemas.kinds.load import NetCDFLoad
+from gridsolve.schemas.kinds.model import MultidimLinearModel
+from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
+from gridsolve.schemas.kinds.solve import LstsqSolve
+from gridsolve.schemas.kinds.write import NetCDFWrite
 
 from testkit import CONTRACT, Chain, make_ds
 
@@ -127,7 +125,7 @@ def test_failure_mid_write_leaves_nothing(chain: Chain, write_cube: Any, tmp_pat
         chain.whole("design", RandomDesign(coef=6))
         chain.whole("normal_equations", SVDNormalEquations())
         chain.tiled("solve", LstsqSolve())
-        from gridsolve.schemas.config import ModuleModel
+        from gridsolve.schemas.kinds.model import ModuleModel
 
         chain.tiled(
             "model", ModuleModel(target="my_models:TinyMLP", kwargs={"n_in": 6}, input_shape=(6,))

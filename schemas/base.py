@@ -1,0 +1,119 @@
+"""What every stage implementation's config is built from (the plugin author's surface).
+
+:class:`StageConfig` is the base of each implementation's frozen pydantic
+model. Fields built with :func:`speed_field` change only how fast or where a
+stage runs (device, chunk sizes); they are left out of cache keys. Fields built
+with :func:`path_field` are file paths, resolved against the config file's
+folder; :func:`input_file_field` paths are also keyed by their content.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_SPEED = "speed_only"
+_PATH = "is_path"
+_CONTENT = "keyed_by_content"
+
+
+def speed_field(default: Any, description: str, **kwargs: Any) -> Any:
+    """A field that changes only speed or placement, never results (not in cache keys)."""
+    return Field(
+        default,
+        description=f"{description} Speed only: not part of the cache key.",
+        json_schema_extra={_SPEED: True},
+        **kwargs,
+    )
+
+
+def path_field(default: Any, description: str, **kwargs: Any) -> Any:
+    """A file path, resolved against the config file's folder when relative."""
+    return Field(default, description=description, json_schema_extra={_PATH: True}, **kwargs)
+
+
+def input_file_field(default: Any, description: str, **kwargs: Any) -> Any:
+    """An input file path: the stage's key covers the file's content, never its name.
+
+    The stage's fingerprint hashes the content; the path itself is left out of
+    the key so that a touched, copied or renamed file with the same bytes is a
+    cache hit. The path used is still recorded per run (and in the output).
+    """
+    return Field(
+        default,
+        description=f"{description} Cached by the file's content, not its path or mtime.",
+        json_schema_extra={_PATH: True, _CONTENT: True},
+        **kwargs,
+    )
+
+
+def _field_flag(model: type[BaseModel], name: str, flag: str) -> bool:
+    extra = model.model_fields[name].json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get(flag))
+
+
+class StageConfig(BaseModel):
+    """Base of every stage implementation's config: frozen, no unknown keys."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    impl: str
+
+    #: the stage kind this config belongs to; set by each concrete family.
+    kind: ClassVar[str] = ""
+
+    @classmethod
+    def speed_fields(cls) -> frozenset[str]:
+        """Names of fields that do not affect results."""
+        return frozenset(n for n in cls.model_fields if _field_flag(cls, n, _SPEED))
+
+    @classmethod
+    def path_fields(cls) -> frozenset[str]:
+        """Names of fields holding file paths."""
+        return frozenset(n for n in cls.model_fields if _field_flag(cls, n, _PATH))
+
+    @classmethod
+    def content_keyed_fields(cls) -> frozenset[str]:
+        """Names of input file fields whose content (not path) the stage's key covers."""
+        return frozenset(n for n in cls.model_fields if _field_flag(cls, n, _CONTENT))
+
+    def key_payload(self) -> dict[str, Any]:
+        """The JSON form of every result-affecting field (what cache keys hash).
+
+        Leaves out speed-only fields, and input file paths, whose content the
+        stage's fingerprint covers instead.
+        """
+        exclude = set(self.speed_fields()) | set(self.content_keyed_fields())
+        return self.model_dump(mode="json", exclude=exclude)
+
+    def cross_stage(self, stages: Mapping[str, StageConfig]) -> list[str]:
+        """What this config needs from the other stages' configs and lacks (sentences with fixes).
+
+        ``stages`` holds every stage's config by kind. Implementations override
+        it; a rule lives with the config it belongs to, never in a list that
+        names implementations.
+        """
+        return []
+
+    def input_files(self) -> dict[str, str]:
+        """Absolute path of each input file this config names (the paths used by a run)."""
+        out = {}
+        for name in sorted(self.content_keyed_fields()):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                out[name] = os.path.abspath(os.path.expanduser(value))
+        return out
+
+
+def needs_load_field(stages: Mapping[str, StageConfig], field: str, problem: str) -> list[str]:
+    """``[problem]`` when the load section leaves ``field`` unset, else ``[]``.
+
+    For :meth:`StageConfig.cross_stage` rules such as "objective mse needs
+    load.target"; ``problem`` is the sentence, its fix included.
+    """
+    if getattr(stages.get("load"), field, None) is None:
+        return [problem]
+    return []

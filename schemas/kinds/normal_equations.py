@@ -1,0 +1,28 @@
+"""Configs of the built-in ``normal_equations`` implementations (and their family)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import ConfigDict
+
+from gridsolve.schemas import catalog
+from gridsolve.schemas.base import StageConfig
+
+
+class NormalEquationsConfig(StageConfig):
+    """Family of ``normal_equations`` implementations."""
+
+    kind: ClassVar[str] = "normal_equations"
+
+
+class SVDNormalEquations(NormalEquationsConfig):
+    """Float64 Gram matrix AᵀWA and the SVD of W^½A of the shared design."""
+
+    model_config = ConfigDict(title="Shared normal equations (float64 SVD)")
+
+    impl: Literal["svd"] = "svd"
+
+
+for _builtin in (SVDNormalEquations,):
+    catalog.add(_builtin)

@@ -1,0 +1,60 @@
+"""Configs of the built-in ``write`` implementations (and the family plugins extend)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from gridsolve.schemas import catalog
+from gridsolve.schemas.base import StageConfig, path_field
+from gridsolve.schemas.templating import check_template
+
+
+class WriteConfig(StageConfig):
+    """Family of ``write`` implementations."""
+
+    kind: ClassVar[str] = "write"
+
+
+class NetCDFWrite(WriteConfig):
+    """One NetCDF file with the output contract, written atomically."""
+
+    model_config = ConfigDict(title="Write NetCDF")
+
+    impl: Literal["netcdf"] = "netcdf"
+    path: str = path_field(
+        "gridsolve-output.nc",
+        "Output file. May contain {date}, {scheduled_date}, {flow_run_name}, {flow_run_id}.",
+        min_length=1,
+    )
+    zlib: bool = Field(True, description="zlib-compress the variables.")
+    complevel: int = Field(1, ge=0, le=9, description="zlib level (1 is fast, 9 is small).")
+    shuffle: bool = Field(True, description="HDF5 byte shuffle before compression.")
+    chunks: dict[str, int] | None = Field(
+        None,
+        description="Chunk size per dim name, e.g. {y: 256, x: 256}; "
+        "default: 1 along leading dims, 256×256 spatially.",
+    )
+    overwrite: bool = Field(True, description="Replace an existing file (atomically).")
+    layout: Literal["nested", "flat"] = Field(
+        "nested",
+        description="nested: every parameter dim of a gradient or Jacobian is its own dim. "
+        "flat: a variable's dims before (y, x) become one labelled dim <name>_index, "
+        "so tools that read at most one extra dim (CDO, Panoply) read every variable.",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _known_placeholders(cls, v: str) -> str:
+        return check_template(v)
+
+    @model_validator(mode="after")
+    def _positive_chunks(self) -> NetCDFWrite:
+        if self.chunks is not None and any(v < 1 for v in self.chunks.values()):
+            raise ValueError("write.chunks sizes must be >= 1")
+        return self
+
+
+for _builtin in (NetCDFWrite,):
+    catalog.add(_builtin)
