@@ -43,6 +43,7 @@ from gridsolve.schemas.errors import GridsolveError, is_transient
 from gridsolve.schemas.execution import CacheConfig, ExecutionConfig
 from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
 from gridsolve.schemas.kinds.solve import LstsqSolve
+from gridsolve.schemas.kinds.train import NoTrain
 from gridsolve.schemas.kinds.write import NetCDFWrite
 from gridsolve.schemas.pipeline import (
     DEMO,
@@ -52,6 +53,7 @@ from gridsolve.schemas.pipeline import (
     NormalEquationsField,
     PipelineConfig,
     SolveField,
+    TrainField,
     WriteField,
     build_config,
 )
@@ -60,6 +62,7 @@ from gridsolve.stages.engine.plan import (
     Plan,
     Step,
     build_plan,
+    inputs_of,
     summed_counts,
     tile_inputs,
     tiled_ref,
@@ -97,7 +100,7 @@ class StoreCachePolicy(CachePolicy):
         if not cache.enabled:
             return None
         store = Store(cache.root)
-        ctx = StageContext(store=store)
+        ctx = StageContext(store=store, peers=inputs.get("peers") or {})
         config: StageConfig = inputs["config"]
         try:
             key = cache_key(
@@ -130,11 +133,16 @@ def task_options(cache: CacheConfig) -> dict[str, Any]:
     return {"result_storage": Path(cache.root).expanduser().resolve() / PREFECT_RECORDS}
 
 
-def _ctx(cache: CacheConfig, execution: ExecutionConfig) -> StageContext:
+def _ctx(
+    cache: CacheConfig,
+    execution: ExecutionConfig,
+    peers: Mapping[str, StageConfig] | None = None,
+) -> StageContext:
     return StageContext(
         store=Store(cache.root),
         memory_budget=execution.memory_budget_bytes,
         logger=get_run_logger(),  # type: ignore[arg-type]
+        peers=dict(peers or {}),
     )
 
 
@@ -154,10 +162,11 @@ def stage_task(
     cache: CacheConfig,
     execution: ExecutionConfig,
     part: str = "whole",
+    peers: dict[str, StageConfig] | None = None,
 ) -> StageRun:
     """Run or reuse one whole stage."""
     with noting_user_errors():
-        return run_stage(config, refs, _ctx(cache, execution), use_cache=cache.enabled)
+        return run_stage(config, refs, _ctx(cache, execution, peers), use_cache=cache.enabled)
 
 
 @task(name="prepare", retry_condition_fn=_no_retry_for_user_errors, **TASK_OPTIONS)
@@ -167,10 +176,12 @@ def prepare_task(
     cache: CacheConfig,
     execution: ExecutionConfig,
     part: str = "prepare",
+    peers: dict[str, StageConfig] | None = None,
 ) -> StageRun:
     """Run or reuse the once-per-stage part of a tiled stage."""
     with noting_user_errors():
-        return prepare_stage(config, refs, _ctx(cache, execution), use_cache=cache.enabled)
+        ctx = _ctx(cache, execution, peers)
+        return prepare_stage(config, refs, ctx, use_cache=cache.enabled)
 
 
 @task(name="tile", retry_condition_fn=_no_retry_for_user_errors, **TASK_OPTIONS)
@@ -182,12 +193,12 @@ def tile_task(
     cache: CacheConfig,
     execution: ExecutionConfig,
     part: str = "tile",
+    peers: dict[str, StageConfig] | None = None,
 ) -> StageRun:
     """Run or reuse one tile of a tiled stage."""
     with noting_user_errors():
-        return run_tile(
-            config, refs, prepared, tile, _ctx(cache, execution), use_cache=cache.enabled
-        )
+        ctx = _ctx(cache, execution, peers)
+        return run_tile(config, refs, prepared, tile, ctx, use_cache=cache.enabled)
 
 
 # ---------------------------------------------------------------- summary
@@ -369,7 +380,15 @@ def _stage_tiles(
     def submit(tile: Tile) -> Any:
         named = task_fn.with_options(task_run_name=f"{step.kind}-tile-{tile.index}")
         inputs = tile_inputs(step, refs, tile_refs, tile)
-        return named.submit(step.config, inputs, prep.run.ref, tile, cfg.cache, cfg.execution)
+        return named.submit(
+            step.config,
+            inputs,
+            prep.run.ref,
+            tile,
+            cfg.cache,
+            cfg.execution,
+            peers=dict(step.peers),
+        )
 
     hits: list[bool] = [prep.hit]
     by_index: dict[int, ArtifactRef] = {}
@@ -386,20 +405,22 @@ def run_tiles(
     refs: dict[str, Ref],
     prepared: dict[str, PreparedStage],
     tiles: list[Tile],
+    kinds: list[str],
 ) -> TilePhase:
-    """Submit every tile of the plan's tiled stages to the current task runner and collect them."""
+    """Submit every tile of the tiled stages ``kinds`` (one segment) and collect them."""
     logger = get_run_logger()
     plan = _plan(cfg)
+    steps = [plan.step(k) for k in kinds]
     refs = dict(refs)
     out_refs: dict[str, TiledRef] = {}
     rows: list[StageSummary] = []
     counts: dict[str, dict[str, int]] = {}
-    names = " and ".join(s.kind for s in plan.tiled)
+    names = " and ".join(kinds)
     artifact = create_progress_artifact(progress=0.0, description=f"tiles done ({names})")
     assert isinstance(artifact, UUID)
-    progress = _Progress(artifact, total=len(plan.tiled) * len(tiles))
+    progress = _Progress(artifact, total=len(steps) * len(tiles))
     tile_refs: dict[str, dict[int, ArtifactRef]] = {}
-    for step in plan.tiled:
+    for step in steps:
         prep = prepared[step.kind]
         t0 = time.perf_counter()
         by_index, hits = _stage_tiles(step, prep, tiles, (refs, tile_refs), cfg, progress)
@@ -423,9 +444,10 @@ def tiles_flow(
     refs: dict[str, Ref],
     prepared: dict[str, PreparedStage],
     tiles: list[Tile],
+    kinds: list[str],
 ) -> TilePhase:
-    """The tiled stages on another task runner (Dask): a subflow, since a runner is per flow."""
-    return run_tiles(cfg, refs, prepared, tiles)
+    """One segment's tiled stages on another task runner (Dask), as a subflow."""
+    return run_tiles(cfg, refs, prepared, tiles, kinds)
 
 
 def dask_runner(execution: ExecutionConfig) -> Any:
@@ -468,7 +490,7 @@ def _this_runs_sources(
     """
     run: StageRun = state.result()
     if state.name == "Cached":
-        run = with_sources(step.config, run, _ctx(cache, execution))
+        run = with_sources(step.config, run, _ctx(cache, execution, step.peers))
     return run
 
 
@@ -479,7 +501,12 @@ def _whole(
     cache, execution = cfg.cache, cfg.execution
     t0 = time.perf_counter()
     state = stage_task.with_options(name=step.kind, **opts)(
-        step.config, {k: refs[k] for k in step.decl.inputs}, cache, execution, return_state=True
+        step.config,
+        inputs_of(step, refs),
+        cache,
+        execution,
+        peers=dict(step.peers),
+        return_state=True,
     )
     run: StageRun = _this_runs_sources(step, state, cache, execution)
     row = _row(
@@ -488,58 +515,73 @@ def _whole(
     return run, row
 
 
+def _prepare(
+    steps: Sequence[Step], refs: dict[str, Ref], cfg: PipelineConfig, opts: Mapping[str, Any]
+) -> dict[str, PreparedStage]:
+    """Run (or reuse) the prepare step of each tiled stage of a segment; refs get their refs."""
+    prepared: dict[str, PreparedStage] = {}
+    for step in steps:
+        t0 = time.perf_counter()
+        state = prepare_task.with_options(name=f"{step.kind}-prepare", **opts)(
+            step.config,
+            inputs_of(step, refs),
+            cfg.cache,
+            cfg.execution,
+            peers=dict(step.peers),
+            return_state=True,
+        )
+        run = _this_runs_sources(step, state, cfg.cache, cfg.execution)
+        prepared[step.kind] = PreparedStage(
+            run=run, hit=_hit(state, run), seconds=time.perf_counter() - t0
+        )
+        refs[step.kind] = tiled_ref(step, run.ref)
+    return prepared
+
+
 def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     """Run every stage of ``cfg``'s plan inside the current flow run; returns the summary."""
     logger = get_run_logger()
     cfg = render_paths(cfg, template_values())
     plan = _plan(cfg)
     opts = task_options(cfg.cache)
-    cache, execution = cfg.cache, cfg.execution
+    execution = cfg.execution
     rows: list[StageSummary] = []
     refs: dict[str, Ref] = {}
 
-    for step in plan.before:
-        run, row = _whole(step, refs, cfg, opts)
-        refs[step.kind] = run.ref
-        rows.append(row)
-        logger.info("%s %s (key %s)", step.name, row.cache, run.ref.key[:12])
-        if step.decl.describe is not None:
-            logger.info("%s: %s", step.kind, step.decl.describe(run.ref.meta))
-
-    prepared: dict[str, PreparedStage] = {}
-    for step in plan.tiled:
-        t0 = time.perf_counter()
-        state = prepare_task.with_options(name=f"{step.kind}-prepare", **opts)(
-            step.config, {k: refs[k] for k in step.decl.inputs}, cache, execution, return_state=True
-        )
-        run = _this_runs_sources(step, state, cache, execution)
-        prepared[step.kind] = PreparedStage(
-            run=run, hit=_hit(state, run), seconds=time.perf_counter() - t0
-        )
-        refs[step.kind] = tiled_ref(step, run.ref)
-
-    tiles = plan.tiles(refs, execution.memory_budget_bytes, execution.tile_pixels)
-    logger.info("%d pixels in %d tile(s)", sum(t.pixels for t in tiles), len(tiles))
-    if execution.runner == "dask":
-        phase = tiles_flow.with_options(task_runner=dask_runner(execution))(
-            cfg, refs, prepared, tiles
-        )
-    else:
-        phase = run_tiles(cfg, refs, prepared, tiles)
-    refs.update(phase.refs)
-    rows.extend(phase.rows)
-
     output = ""
-    for step in plan.after:
-        run, row = _whole(step, refs, cfg, opts)
-        refs[step.kind] = run.ref
-        rows.append(row)
-        output = str(run.ref.meta.get("path", output))
+    tiles: list[Tile] | None = None
+    counts: dict[str, dict[str, int]] = {}
+    for seg in plan.segments:
+        if not seg.tiled:
+            step = seg.steps[0]
+            run, row = _whole(step, refs, cfg, opts)
+            refs[step.kind] = run.ref
+            rows.append(row)
+            logger.info("%s %s (key %s)", step.name, row.cache, run.ref.key[:12])
+            if step.decl.describe is not None:
+                logger.info("%s: %s", step.kind, step.decl.describe(run.ref.meta))
+            if tiles is not None:  # a stage after the tiles: the writer names the output
+                output = str(run.ref.meta.get("path", output))
+            continue
+        prepared = _prepare(seg.steps, refs, cfg, opts)
+        if tiles is None:
+            tiles = plan.tiles(refs, execution.memory_budget_bytes, execution.tile_pixels)
+            logger.info("%d pixels in %d tile(s)", sum(t.pixels for t in tiles), len(tiles))
+        kinds = [s.kind for s in seg.steps]
+        if execution.runner == "dask":
+            phase = tiles_flow.with_options(task_runner=dask_runner(execution))(
+                cfg, refs, prepared, tiles, kinds
+            )
+        else:
+            phase = run_tiles(cfg, refs, prepared, tiles, kinds)
+        refs.update(phase.refs)
+        rows.extend(phase.rows)
+        counts.update(phase.counts)
     summary = RunSummary(
         stages=rows,
         output=output,
-        counts=phase.counts,
-        tiles=len(tiles),
+        counts=counts,
+        tiles=len(tiles or []),
         flow_run_id=str(rt_flow_run.id) if rt_flow_run.id else None,
     )
     _publish(summary)
@@ -586,6 +628,7 @@ def pipeline(
     design: DesignField = DEMO.design,
     normal_equations: NormalEquationsField = SVDNormalEquations(),
     solve: SolveField = LstsqSolve(),
+    train: TrainField = NoTrain(),
     model: ModelField = DEMO.model,
     write: WriteField = NetCDFWrite(),
     cache: CacheConfig = CacheConfig(),
@@ -598,6 +641,7 @@ def pipeline(
         design: The design matrix A (obs × coef) shared by every pixel.
         normal_equations: The shared factorisation of the design (float64).
         solve: How each pixel's least-squares problem is solved.
+        train: Whether and how the model is trained on the target (none by default).
         model: The single-sample model run at every pixel, with per-sample gradients.
         write: The output NetCDF file.
         cache: Where stage outputs are stored and reused.

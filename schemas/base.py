@@ -89,6 +89,19 @@ class StageConfig(BaseModel):
         exclude = set(self.speed_fields()) | set(self.content_keyed_fields())
         return self.model_dump(mode="json", exclude=exclude)
 
+    @property
+    def active(self) -> bool:
+        """Whether the stage runs at all; ``False`` leaves it out of the plan (``train: none``)."""
+        return True
+
+    def peer_payload(self) -> dict[str, Any]:
+        """What a stage that reads this config as a peer depends on (its share of that key).
+
+        Defaults to :meth:`key_payload`; a config narrows it to the fields that
+        matter to others (the model: its module, not what it outputs).
+        """
+        return self.key_payload()
+
     def cross_stage(self, stages: Mapping[str, StageConfig]) -> list[str]:
         """What this config needs from the other stages' configs and lacks (sentences with fixes).
 

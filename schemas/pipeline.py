@@ -26,6 +26,7 @@ from gridsolve.schemas.kinds.load import DemoLoad
 from gridsolve.schemas.kinds.model import MultidimLinearModel
 from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
 from gridsolve.schemas.kinds.solve import LstsqSolve
+from gridsolve.schemas.kinds.train import NoTrain
 from gridsolve.schemas.kinds.write import NetCDFWrite
 
 
@@ -122,6 +123,7 @@ NormalEquationsField: TypeAlias = Annotated[
 ]
 SolveField: TypeAlias = Annotated[StageConfig, StageKind("solve", default_impl="lstsq")]
 ModelField: TypeAlias = Annotated[StageConfig, StageKind("model", default_impl="multidim_linear")]
+TrainField: TypeAlias = Annotated[StageConfig, StageKind("train", default_impl="none")]
 WriteField: TypeAlias = Annotated[StageConfig, StageKind("write", default_impl="netcdf")]
 
 
@@ -134,6 +136,7 @@ class PipelineConfig(BaseModel):
     design: DesignField
     normal_equations: NormalEquationsField = SVDNormalEquations()
     solve: SolveField = LstsqSolve()
+    train: TrainField = NoTrain()
     model: ModelField = MultidimLinearModel()
     write: WriteField = NetCDFWrite()
     cache: CacheConfig = CacheConfig()

@@ -1,12 +1,12 @@
 """Stage kinds and their implementations: plain functions, no Prefect.
 
 One subpackage per stage kind (``load``, ``design``, ``normal_equations``,
-``solve``, ``model``, ``write``), each holding its implementations; the
+``solve``, ``train``, ``model``, ``write``), each holding its implementations; the
 machinery every kind shares (runner, registry, store, hashing, versions,
 tiles, paths, the agreement bound) lives apart in ``engine``. Importing this
 package registers the built-in implementations.
 """
 
-from gridsolve.stages import design, load, model, normal_equations, solve, write
+from gridsolve.stages import design, load, model, normal_equations, solve, train, write
 
-__all__ = ["design", "load", "model", "normal_equations", "solve", "write"]
+__all__ = ["design", "load", "model", "normal_equations", "solve", "train", "write"]

@@ -67,10 +67,10 @@ class Chain:
 
     def whole(self, kind: str, config: Any) -> Any:
         from gridsolve.stages.engine.registry import decl_for
-        from gridsolve.stages.engine.runner import run_stage
+        from gridsolve.stages.engine.runner import reads, run_stage
 
         decl = decl_for(config)
-        run = run_stage(config, {k: self.refs[k] for k in decl.inputs}, self.ctx)
+        run = run_stage(config, {k: self.refs[k] for k in reads(decl, self.refs)}, self.ctx)
         self.refs[kind] = run.ref
         self.runs[kind] = run
         return self.ctx.store.get(run.ref.key)
@@ -79,10 +79,13 @@ class Chain:
         from gridsolve.schemas.artifacts import Tile, TiledRef
         from gridsolve.stages.engine.plan import Step, tile_inputs, tiled_ref
         from gridsolve.stages.engine.registry import decl_for
-        from gridsolve.stages.engine.runner import prepare_stage, run_tile
+        from gridsolve.stages.engine.runner import prepare_stage, reads, run_tile
 
-        step = Step(kind, config, decl_for(config))
-        prep = prepare_stage(config, {k: self.refs[k] for k in step.decl.inputs}, self.ctx)
+        decl = decl_for(config)
+        step = Step(kind, config, decl, reads(decl, self.refs))
+        prep = prepare_stage(
+            config, {k: self.refs[k] for k in reads(step.decl, self.refs)}, self.ctx
+        )
         self.refs[kind] = tiled_ref(step, prep.ref)
         load = self.refs["load"].meta
         tiles = tiles or [Tile(index=0, y0=0, y1=load["ny"], x0=0, x1=load["nx"])]

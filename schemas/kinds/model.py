@@ -55,6 +55,15 @@ class ModelConfig(StageConfig):
         "bound, and any compile failure or disagreement falls back to eager.",
     )
 
+    def peer_payload(self) -> dict[str, Any]:
+        """The fields that define the module and its initial weights (what training reads).
+
+        What the model stage outputs (objective, wrt, jacobian) and speed-only
+        fields are left out, so changing them never retrains.
+        """
+        outputs_only = {"objective", "wrt", "jacobian"}
+        return {k: v for k, v in self.key_payload().items() if k not in outputs_only}
+
     def cross_stage(self, stages: Mapping[str, StageConfig]) -> list[str]:
         """Objective mse needs the target variable named in the load section."""
         if self.objective != "mse":

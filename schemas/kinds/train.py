@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from gridsolve.schemas import catalog
 from gridsolve.schemas.base import StageConfig, needs_load_field
 from gridsolve.schemas.contracts import STATUS_CODES
 
@@ -28,6 +29,11 @@ class NoTrain(TrainConfig):
     model_config = ConfigDict(title="No training")
 
     impl: Literal["none"] = "none"
+
+    @property
+    def active(self) -> bool:
+        """Never: without training the run is the run it was before the kind existed."""
+        return False
 
 
 class GradientTrain(TrainConfig):
@@ -147,3 +153,7 @@ class AdamTrain(GradientTrain):
         if not all(0.0 <= b < 1.0 for b in v):
             raise ValueError("adam betas must each be in [0, 1), e.g. [0.9, 0.999]")
         return v
+
+
+for _builtin in (NoTrain, SGDTrain, AdamTrain):
+    catalog.add(_builtin)

@@ -6,8 +6,11 @@ sizes; the logger only reports.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +27,22 @@ class StageContext:
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("gridsolve"))
     #: key of the stage (or tile) being run; set by the runner
     key: str = ""
+    #: the configs of other kinds the stage reads (``StageDecl.peers``), by kind
+    peers: Mapping[str, Any] = field(default_factory=dict)
+
+    def with_peers(self, peers: Mapping[str, Any]) -> StageContext:
+        """The same context, for a stage that reads ``peers``."""
+        return dataclasses.replace(self, peers=dict(peers))
+
+
+def tile_share(memory_budget: int) -> int:
+    """The part of the memory budget one tile's arrays (every tiled stage's) may hold."""
+    return memory_budget // 2
+
+
+def work_share(memory_budget: int) -> int:
+    """The part a stage's working chunks inside a tile may use (the tile holds the rest)."""
+    return memory_budget // 4
 
 
 def resolve_device(name: str) -> torch.device:

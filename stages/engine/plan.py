@@ -5,9 +5,14 @@ never from a list of kinds: the order from each declaration's ``inputs`` (as
 Kedro orders nodes), whole vs tiled from ``tiled``, the grid from the stage
 that declares ``grid``, each tiled stage's memory per pixel from its
 ``pixel_bytes``, and the tiles' alignment from the stage that declares
-``alignment`` (the writer). A run has three phases: the whole stages that no
-tiled stage precedes, then every tiled stage (prepare steps, then tiles),
-then the whole stages that read tiled results. The Prefect flow
+``alignment`` (the writer). A run is a sequence of segments in that order:
+each whole stage alone, each run of consecutive tiled stages together (their
+prepare steps, then their tiles); a whole stage may sit between two tiled
+segments (``train`` reads every solve tile and the model's tiles read it).
+Every tiled stage of a run uses one tile plan, made when the first tiled
+segment is prepared. A stage whose config is not ``active`` (``train: none``)
+is left out, and a stage's ``optional_inputs`` are read only when present,
+so a run without it is the run it was before that stage existed. The Prefect flow
 (``gridsolve.flows.pipeline``) turns a plan into tasks; :func:`run_locally`
 runs the same plan without Prefect (tests, notebooks).
 """
@@ -15,13 +20,13 @@ runs the same plan without Prefect (tests, notebooks).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gridsolve.schemas.artifacts import ArtifactRef, Tile, TiledRef
 from gridsolve.schemas.base import StageConfig
 from gridsolve.schemas.errors import ConfigError
-from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.context import StageContext, tile_share
 from gridsolve.stages.engine.registry import StageDecl, decl_for
 from gridsolve.stages.engine.tiles import plan_tiles
 
@@ -30,11 +35,15 @@ Ref = ArtifactRef | TiledRef
 
 @dataclass(frozen=True)
 class Step:
-    """One stage of a plan: its kind, validated config and declaration."""
+    """One stage of a plan: its kind, validated config, declaration and what it reads."""
 
     kind: str
     config: StageConfig
     decl: StageDecl
+    #: the kinds whose outputs it reads: its required inputs and the optional ones present
+    inputs: tuple[str, ...] = ()
+    #: the configs of other kinds it reads (``StageDecl.peers``), by kind
+    peers: Mapping[str, StageConfig] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -43,40 +52,34 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """Stages that run together: one whole stage, or consecutive tiled stages."""
+
+    tiled: bool
+    steps: tuple[Step, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
-    """Stages in run order, split into the three phases of a run."""
+    """Stages in run order, grouped into segments."""
 
     steps: tuple[Step, ...]
 
     @property
-    def before(self) -> tuple[Step, ...]:
-        """Whole stages that run before any tiled stage (nothing tiled upstream)."""
-        return tuple(s for s in self.steps if not s.decl.tiled and not self._after_tiles(s))
+    def segments(self) -> tuple[Segment, ...]:
+        """Each whole stage alone, each run of consecutive tiled stages together, in order."""
+        out: list[Segment] = []
+        for s in self.steps:
+            if s.decl.tiled and out and out[-1].tiled:
+                out[-1] = Segment(True, (*out[-1].steps, s))
+            else:
+                out.append(Segment(s.decl.tiled, (s,)))
+        return tuple(out)
 
     @property
     def tiled(self) -> tuple[Step, ...]:
         """Tiled stages, in order."""
         return tuple(s for s in self.steps if s.decl.tiled)
-
-    @property
-    def after(self) -> tuple[Step, ...]:
-        """Whole stages that read tiled results (the writer)."""
-        return tuple(s for s in self.steps if not s.decl.tiled and self._after_tiles(s))
-
-    def _upstream(self, step: Step) -> set[str]:
-        by_kind = {s.kind: s for s in self.steps}
-        seen: set[str] = set()
-        todo = list(step.decl.inputs)
-        while todo:
-            k = todo.pop()
-            if k not in seen:
-                seen.add(k)
-                todo += list(by_kind[k].decl.inputs)
-        return seen
-
-    def _after_tiles(self, step: Step) -> bool:
-        tiled = {s.kind for s in self.steps if s.decl.tiled}
-        return bool(self._upstream(step) & tiled)
 
     def step(self, kind: str) -> Step:
         """The step of ``kind``."""
@@ -88,8 +91,12 @@ class Plan:
     def tiles(
         self, refs: Mapping[str, Ref], memory_budget: int, tile_pixels: int | None
     ) -> list[Tile]:
-        """The tile plan: half the budget for the heaviest tiled stage's arrays per pixel."""
-        grid_steps = [s for s in self.before if s.decl.grid is not None]
+        """The tile plan: a share of the budget for the heaviest prepared tiled stage per pixel.
+
+        Tiled stages whose prepare step has not run yet (in a later segment) do
+        not count: the plan is made once, for the whole run.
+        """
+        grid_steps = [s for s in self.steps if s.decl.grid is not None]
         if len(grid_steps) != 1:
             raise ConfigError(
                 f"the plan needs exactly one stage that declares the grid; found "
@@ -101,7 +108,7 @@ class Plan:
         assert source.decl.grid is not None
         ny, nx = source.decl.grid(grid_meta)
         align = (1, 1)
-        for s in self.after:
+        for s in self.steps:
             if s.decl.alignment is not None:
                 align = s.decl.alignment(s.config, grid_meta)
         if tile_pixels is None:
@@ -110,10 +117,10 @@ class Plan:
                 + [
                     int(s.decl.pixel_bytes(meta_of(refs[s.kind])))
                     for s in self.tiled
-                    if s.decl.pixel_bytes is not None
+                    if s.decl.pixel_bytes is not None and s.kind in refs
                 ]
             )
-            tile_pixels = max(1, (memory_budget // 2) // per_px)
+            tile_pixels = max(1, tile_share(memory_budget) // per_px)
         return plan_tiles(ny, nx, tile_pixels, *align)
 
 
@@ -122,21 +129,36 @@ def meta_of(ref: Ref) -> dict[str, Any]:
     return dict(ref.prepared.meta if isinstance(ref, TiledRef) else ref.meta)
 
 
+def _steps(configs: Mapping[str, StageConfig]) -> tuple[dict[str, Step], list[str]]:
+    """The active stages as steps (inputs and peers resolved), and every problem found."""
+    active = {k: c for k, c in configs.items() if c.active}
+    problems: list[str] = []
+    steps: dict[str, Step] = {}
+    for kind, conf in active.items():
+        decl = decl_for(conf)
+        name = f"{kind}/{decl.impl}"
+        for k in decl.inputs:
+            if k not in active:
+                problems.append(f"{name} reads {k!r}, which no stage of the run provides")
+        for k in decl.peers:
+            if k not in configs:
+                problems.append(f"{name} reads the config of {k!r}, which the run does not have")
+        if decl.tiled and decl.prepare is None:
+            problems.append(f"{name} is tiled but declares no prepare step")
+        inputs = (*decl.inputs, *(k for k in decl.optional_inputs if k in active))
+        peers = {k: configs[k] for k in decl.peers if k in configs}
+        steps[kind] = Step(kind, conf, decl, inputs, peers)
+    return steps, problems
+
+
 def build_plan(configs: Mapping[str, StageConfig]) -> Plan:
     """The plan of validated stage configs (by kind), ordered by their declared inputs.
 
-    Ties keep the order of ``configs``. Every problem is reported at once: an
-    input no stage provides, a cycle, a tiled stage without a prepare step, a
-    tiled stage fed by a whole stage that itself reads tiled results.
+    Ties keep the order of ``configs``; inactive stages are left out. Every
+    problem is reported at once: an input no stage provides, a cycle, a tiled
+    stage without a prepare step.
     """
-    steps = {kind: Step(kind, conf, decl_for(conf)) for kind, conf in configs.items()}
-    problems: list[str] = []
-    for s in steps.values():
-        for k in s.decl.inputs:
-            if k not in steps:
-                problems.append(f"{s.name} reads {k!r}, which no stage of the run provides")
-        if s.decl.tiled and s.decl.prepare is None:
-            problems.append(f"{s.name} is tiled but declares no prepare step")
+    steps, problems = _steps(configs)
     if problems:
         raise ConfigError(
             "the stages do not form a pipeline",
@@ -146,9 +168,7 @@ def build_plan(configs: Mapping[str, StageConfig]) -> Plan:
     order: list[Step] = []
     done: set[str] = set()
     while len(order) < len(steps):
-        ready = [
-            s for k, s in steps.items() if k not in done and all(i in done for i in s.decl.inputs)
-        ]
+        ready = [s for k, s in steps.items() if k not in done and all(i in done for i in s.inputs)]
         if not ready:
             left = sorted(set(steps) - done)
             raise ConfigError(
@@ -157,17 +177,7 @@ def build_plan(configs: Mapping[str, StageConfig]) -> Plan:
             )
         order.append(ready[0])
         done.add(ready[0].kind)
-    plan = Plan(tuple(order))
-    late = {s.kind for s in plan.after}
-    for s in plan.tiled:
-        fed = [k for k in s.decl.inputs if k in late]
-        if fed:
-            problems.append(f"tiled {s.name} reads {fed}, which run after the tiles")
-    if problems:
-        raise ConfigError(
-            "the stages cannot be run in phases", violations=problems, fix="check StageDecl.inputs"
-        )
-    return plan
+    return Plan(tuple(order))
 
 
 def tile_inputs(
@@ -176,8 +186,21 @@ def tile_inputs(
     tile_refs: Mapping[str, Mapping[int, ArtifactRef]],
     tile: Tile,
 ) -> dict[str, Ref]:
-    """The refs one tile of ``step`` reads: that tile of tiled inputs, whole inputs as they are."""
-    return {k: tile_refs[k][tile.index] if k in tile_refs else refs[k] for k in step.decl.inputs}
+    """The refs one tile of ``step`` reads: that tile of tiled inputs, whole inputs as they are.
+
+    ``tile_refs`` holds the tiles of this segment's stages by tile index; a tiled
+    input of an earlier segment is read from its ``TiledRef`` (tiles in plan order).
+    """
+    out: dict[str, Ref] = {}
+    for k in step.inputs:
+        ref = refs[k]
+        if k in tile_refs:
+            out[k] = tile_refs[k][tile.index]
+        elif isinstance(ref, TiledRef):
+            out[k] = ref.tiles[tile.index]
+        else:
+            out[k] = ref
+    return out
 
 
 def tiled_ref(step: Step, prepared: ArtifactRef, tiles: Sequence[ArtifactRef] = ()) -> TiledRef:
@@ -202,6 +225,11 @@ def summed_counts(step: Step, tile_metas: Sequence[Mapping[str, Any]]) -> dict[s
     return out
 
 
+def inputs_of(step: Step, refs: Mapping[str, Ref]) -> dict[str, Ref]:
+    """The refs a whole stage or prepare step of ``step`` reads."""
+    return {k: refs[k] for k in step.inputs}
+
+
 def run_locally(
     plan: Plan,
     ctx: StageContext,
@@ -213,26 +241,28 @@ def run_locally(
     from gridsolve.stages.engine.runner import prepare_stage, run_stage, run_tile
 
     refs: dict[str, Ref] = {}
-    for s in plan.before:
-        refs[s.kind] = run_stage(s.config, {k: refs[k] for k in s.decl.inputs}, ctx).ref
-    prepared: dict[str, ArtifactRef] = {}
-    for s in plan.tiled:
-        run = prepare_stage(s.config, {k: refs[k] for k in s.decl.inputs}, ctx)
-        prepared[s.kind] = run.ref
-        refs[s.kind] = tiled_ref(s, run.ref)
-    tile_list = (
-        list(tiles) if tiles is not None else plan.tiles(refs, ctx.memory_budget, tile_pixels)
-    )
-    tile_refs: dict[str, dict[int, ArtifactRef]] = {}
-    for s in plan.tiled:
-        by_index = {
-            t.index: run_tile(
-                s.config, tile_inputs(s, refs, tile_refs, t), prepared[s.kind], t, ctx
-            ).ref
-            for t in tile_list
-        }
-        tile_refs[s.kind] = by_index
-        refs[s.kind] = tiled_ref(s, prepared[s.kind], [by_index[t.index] for t in tile_list])
-    for s in plan.after:
-        refs[s.kind] = run_stage(s.config, {k: refs[k] for k in s.decl.inputs}, ctx).ref
+    tile_list = list(tiles) if tiles is not None else None
+    for seg in plan.segments:
+        if not seg.tiled:
+            s = seg.steps[0]
+            refs[s.kind] = run_stage(s.config, inputs_of(s, refs), ctx.with_peers(s.peers)).ref
+            continue
+        prepared: dict[str, ArtifactRef] = {}
+        for s in seg.steps:
+            run = prepare_stage(s.config, inputs_of(s, refs), ctx.with_peers(s.peers))
+            prepared[s.kind] = run.ref
+            refs[s.kind] = tiled_ref(s, run.ref)
+        if tile_list is None:
+            tile_list = plan.tiles(refs, ctx.memory_budget, tile_pixels)
+        tile_refs: dict[str, dict[int, ArtifactRef]] = {}
+        for s in seg.steps:
+            sctx = ctx.with_peers(s.peers)
+            by_index = {
+                t.index: run_tile(
+                    s.config, tile_inputs(s, refs, tile_refs, t), prepared[s.kind], t, sctx
+                ).ref
+                for t in tile_list
+            }
+            tile_refs[s.kind] = by_index
+            refs[s.kind] = tiled_ref(s, prepared[s.kind], [by_index[t.index] for t in tile_list])
     return refs

@@ -41,7 +41,11 @@ class StageDecl:
     ``prepare`` (tiled stages) runs once per stage before the tiles, with the
     whole-stage signature. ``fingerprint`` returns digests of outside content
     (files, code) that the key must cover besides config and inputs.
-    ``inputs`` names the upstream stage kinds it reads. ``outputs`` is the
+    ``inputs`` names the upstream stage kinds it reads; ``optional_inputs``
+    those it reads when the run has them (a run without them is keyed as if
+    they did not exist); ``peers`` the kinds whose *configs* (not outputs) it
+    reads, through ``ctx.peers``: their ``peer_payload`` and fingerprint are
+    part of its key. ``outputs`` is the
     contract of the arrays it returns (per tile for tiled stages). ``verify``
     checks, on a cache hit, that what the stage made outside the store (the
     output file) is still intact.
@@ -73,6 +77,8 @@ class StageDecl:
     config: type[StageConfig]
     run: Callable[..., Any]
     inputs: tuple[str, ...] = ()
+    optional_inputs: tuple[str, ...] = ()
+    peers: tuple[str, ...] = ()
     tiled: bool = False
     prepare: Callable[..., Any] | None = None
     fingerprint: Callable[..., Mapping[str, str]] | None = None

@@ -55,6 +55,30 @@ def code_version(decl: StageDecl) -> str:
     return code_digest({__name__, *(r for r in roots if r)})
 
 
+def reads(decl: StageDecl, refs: Mapping[str, Ref]) -> tuple[str, ...]:
+    """The kinds a stage reads given the refs at hand: its inputs, and its optional ones present."""
+    return (*decl.inputs, *(k for k in decl.optional_inputs if k in refs))
+
+
+def _peer_parts(decl: StageDecl, ctx: StageContext) -> dict[str, str]:
+    """Key entries for the configs of other kinds the stage reads (``StageDecl.peers``)."""
+    out: dict[str, str] = {}
+    for k in decl.peers:
+        peer = ctx.peers.get(k)
+        if peer is None:
+            raise StageError(
+                f"stage {_name(decl)} reads the {k} config, and none was given",
+                stage=_name(decl),
+                fix="run it through the plan (build_plan), which passes the peers",
+            )
+        peer_decl = decl_for(peer)
+        fp = dict(peer_decl.fingerprint(peer, ctx)) if peer_decl.fingerprint else {}
+        out[f"peer:{k}"] = canonical_json(
+            {"impl": peer.impl, "config": peer.peer_payload(), "fingerprint": fp}
+        )
+    return out
+
+
 def _sources(ref: Ref) -> dict[str, Any]:
     meta = ref.prepared.meta if isinstance(ref, TiledRef) else ref.meta
     return dict(meta.get(SOURCE) or {})
@@ -75,11 +99,12 @@ def _key_and_code(
         raise StageError(f"stage {_name(decl)} was given no input {missing}", stage=_name(decl))
     try:
         extra = dict(decl.fingerprint(config, ctx)) if decl.fingerprint else {}
+        extra.update(_peer_parts(decl, ctx))
     except GridsolveError as exc:
         raise exc.with_stage(_name(decl)) from None
     if decl.records_sources:
         # Its output names the files its inputs were read from this run.
-        for k in decl.inputs:
+        for k in reads(decl, refs):
             paths = _sources(refs[k]).get("paths")
             if paths:
                 extra[f"{SOURCE}:{k}"] = canonical_json(paths)
@@ -89,7 +114,7 @@ def _key_and_code(
         decl.impl,
         decl.version,
         config.key_payload(),
-        {k: refs[k].key for k in decl.inputs},
+        {k: refs[k].key for k in reads(decl, refs)},
         extra,
         code=code,
         libraries=package_versions(),
@@ -222,7 +247,7 @@ def _info(
         "version": decl.version,
         "part": part,
         "config": config.key_payload(),
-        "inputs": {k: refs[k].key for k in decl.inputs if k in refs},
+        "inputs": {k: refs[k].key for k in reads(decl, refs)},
     }
     if part != "tile":  # a tile's stage key already covers them
         info["code"] = code
@@ -265,7 +290,7 @@ def run_stage(
     art = reusable(ctx.store, key, decl) if use_cache else None
     if art is not None:
         return _result(decl, key, art, ctx.store, t0, True, extra_meta=run_meta)
-    inputs = {k: _open(refs[k], ctx.store) for k in decl.inputs}
+    inputs = {k: _open(refs[k], ctx.store) for k in reads(decl, refs)}
     ctx.key = key
     out = _call(decl, decl.run, config, inputs, ctx)
     _check(decl, "whole", out)
@@ -286,7 +311,7 @@ def prepare_stage(
     art = reusable(ctx.store, key, decl) if use_cache else None
     hit = art is not None
     if art is None:
-        inputs = {k: _open(refs[k], ctx.store) for k in decl.inputs}
+        inputs = {k: _open(refs[k], ctx.store) for k in reads(decl, refs)}
         ctx.key = key
         out = _call(decl, decl.prepare, config, inputs, ctx)
         _check(decl, "prepare", out)
@@ -312,7 +337,7 @@ def run_tile(
     art = reusable(ctx.store, key, decl) if use_cache else None
     if art is not None:
         return _result(decl, key, art, ctx.store, t0, True, tile=tile, pixels=tile.pixels)
-    inputs = {k: _open(refs[k], ctx.store) for k in decl.inputs}
+    inputs = {k: _open(refs[k], ctx.store) for k in reads(decl, refs)}
     ctx.key = key
     out = _call(decl, decl.run, config, inputs, ctx.store.get(prepared.key), tile, ctx)
     ny, nx = tile.shape

@@ -162,7 +162,11 @@ class Store:
                 shutil.rmtree(entry, ignore_errors=True)
 
     @contextlib.contextmanager
-    def _tmpdir(self) -> Iterator[Path]:
+    def scratch(self) -> Iterator[Path]:
+        """A private folder under the store's ``tmp``, removed afterwards.
+
+        Left by a killed writer, it is swept by the next store opened on this host.
+        """
         tmp = self.root / "tmp" / f"{writer_tag()}~{uuid.uuid4().hex}"
         tmp.mkdir()
         try:
@@ -245,7 +249,7 @@ class Store:
     def put(self, key: str, output: StageOutput, info: Mapping[str, Any]) -> Artifact:
         """Store ``output`` under ``key`` atomically and return it as read back."""
         try:
-            with self._tmpdir() as tmp:
+            with self.scratch() as tmp:
                 files: dict[str, dict[str, Any]] = {}
                 for i, (name, arr) in enumerate(output.arrays.items()):
                     arr = np.asarray(arr)

@@ -48,7 +48,7 @@ from gridsolve.schemas.errors import ConfigError, ContractError, InputError
 from gridsolve.schemas.kinds.model import ModelConfig, ModuleModel, MultidimLinearModel
 from gridsolve.stages.engine.agreement import disagreements
 from gridsolve.stages.engine.blocks import read_block
-from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device
+from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device, work_share
 from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
 from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
@@ -174,9 +174,10 @@ def load_weights(path: str, stage: str) -> dict[str, torch.Tensor]:
     return {str(k): v for k, v in obj.items()}
 
 
-def _apply_weights(
+def apply_weights(
     module: nn.Module, state: Mapping[str, torch.Tensor], path: str, stage: str
 ) -> None:
+    """Load ``state`` into ``module``; ContractError listing every tensor that does not fit."""
     own = dict(module.state_dict())
     problems = [
         f"missing tensor {k!r} of shape {tuple(v.shape)}" for k, v in own.items() if k not in state
@@ -395,7 +396,9 @@ def prepare(config: ModelConfig, inputs: Mapping[str, Artifact], ctx: StageConte
     _check_input_shape(shape, int(inputs["design"].meta["coef"]), stage)
     module = build_module(config)
     if config.weights is not None:
-        _apply_weights(module, load_weights(config.weights, stage), config.weights, stage)
+        apply_weights(module, load_weights(config.weights, stage), config.weights, stage)
+    if "train" in inputs:
+        apply_weights(module, _trained_state(module, inputs["train"]), "the train stage", stage)
     check_mode(module, config)
     # Snapshots taken before any forward, so a forward that mutates state cannot change them.
     params = {k: v.detach().clone() for k, v in module.named_parameters()}
@@ -422,6 +425,15 @@ def prepare(config: ModelConfig, inputs: Mapping[str, Artifact], ctx: StageConte
     arrays = {f"param:{k}": v.cpu().numpy() for k, v in params.items()}
     arrays.update({f"buffer:{k}": v.cpu().numpy() for k, v in buffers.items()})
     return StageOutput(arrays=arrays, meta=meta)
+
+
+def _trained_state(module: nn.Module, train: Artifact) -> dict[str, torch.Tensor]:
+    """The module's state with the parameters the train stage fitted (buffers unchanged)."""
+    state = dict(module.state_dict())
+    for name, arr in train.arrays().items():
+        if name.startswith("param:"):
+            state[name.removeprefix("param:")] = torch.from_numpy(np.array(arr))
+    return state
 
 
 def _check_input_shape(shape: tuple[int, ...], coef: int, stage: str) -> None:
@@ -897,7 +909,7 @@ def _chunk_pixels(config: ModelConfig, run: _TileRun, memory_budget: int) -> int
     coef = run.px.X.shape[0]
     per_px = run.np_dtype.itemsize * (sum(int(np.prod(s)) for s in run.shapes.values()) + coef)
     return config.chunk_pixels or max(
-        256, min(chunk_size(CHUNK_BYTES, per_px), chunk_size(memory_budget // 4, 4 * per_px))
+        256, min(chunk_size(CHUNK_BYTES, per_px), chunk_size(work_share(memory_budget), 4 * per_px))
     )
 
 
@@ -1041,6 +1053,7 @@ for _impl, _cfg, _summary in (
             fingerprint=fingerprint,
             tiled=True,
             inputs=("load", "design", "solve"),
+            optional_inputs=("train",),
             outputs=TILE_OUTPUTS,
             pixel_bytes=pixel_bytes,
             counts="model_status_counts",

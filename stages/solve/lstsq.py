@@ -44,7 +44,7 @@ from gridsolve.schemas.contracts import STATUS_FLAGS, ArraySpec
 from gridsolve.schemas.errors import ContractError, NumericalError
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.engine.blocks import read_block
-from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device
+from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device, work_share
 from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
 from gridsolve.stages.load import patterns
@@ -782,7 +782,7 @@ def _per_pixel_chunk(blk: _Block, memory_budget: int) -> int:
     per_px_bytes = 8 * (3 * big * big + 8 * n_obs + 6 * coef)
     if blk.mom is not None:  # the spread's per-pixel factors (linalg._primal/_dual_spread)
         per_px_bytes += 8 * (4 * coef * coef + 2 * n_obs * coef + 4 * n_obs)
-    fit = chunk_size(memory_budget // 4, per_px_bytes, minimum=1024)
+    fit = chunk_size(work_share(memory_budget), per_px_bytes, minimum=1024)
     return config.chunk_pixels or min(8192, fit)
 
 

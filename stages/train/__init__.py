@@ -1,1 +1,5 @@
-"""The ``train`` kind: fitting the single-sample model's weights to the target, pixel by pixel."""
+"""The ``train`` kind: the model's weights fitted to ``load.target``, one pixel one sample."""
+
+from gridsolve.stages.train import contract, stage
+
+__all__ = ["contract", "stage"]

@@ -162,7 +162,10 @@ def _cf_attrs(v: dict[str, Any], coef_units: list[str | None], data_units: str |
 
 
 def _uncertainty_variables(solve: TiledArtifact, y: str, x: str) -> list[dict[str, Any]]:
-    """The solve's per-pixel uncertainty variables, where it made them (solve.uncertainty)."""
+    """The solve's per-pixel uncertainty variables, where it made them (solve.uncertainty).
+
+    A table of CF attributes per variable, hence its length.
+    """
     from gridsolve.stages.solve.lstsq import UNCERTAINTY_FLAGS
 
     first = solve.tiles[0][1] if solve.tiles else None
@@ -418,7 +421,30 @@ def _coord_attrs(info: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _design_attrs(design: Artifact) -> dict[str, Any]:
+    """Attributes of the design variable: basis, conditioning, units, the time scaling."""
+    design_attrs: dict[str, Any] = {
+        "long_name": "design matrix used for the fit",
+        "basis": design.meta.get("basis", ""),
+        "condition_number": float(design.meta["cond"]),
+        "rank": int(design.meta["rank"]),
+    }
+    col_units = design.meta.get("column_units") or []
+    if col_units and len(set(col_units)) == 1 and col_units[0] is not None:
+        design_attrs["units"] = col_units[0]
+    for k in ("t_centre", "t_scale", "t_units", "period"):
+        if k in design.meta:
+            design_attrs[k] = design.meta[k]
+    if "t_centre" in design.meta:
+        design_attrs["comment"] = (
+            "columns are functions of t = (v - t_centre) / t_scale, v the obs coordinate "
+            "in t_units; a coefficient per unit of v is the coefficient / t_scale**power"
+        )
+    return design_attrs
+
+
 def _skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.Dataset:
+    """Coordinates, bounds, coef labels and the design matrix, encoded as CF wants them."""
     meta = load.meta
     obs_dim, y, x = meta["obs_dim"], meta["y_dim"], meta["x_dim"]
     cf = meta.get("coord_cf") or {}
@@ -444,23 +470,7 @@ def _skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.
             np.array([u or "" for u in coef_units], dtype=str),
             {"long_name": "units of the coefficient of each design column (empty: unknown)"},
         )
-    design_attrs: dict[str, Any] = {
-        "long_name": "design matrix used for the fit",
-        "basis": design.meta.get("basis", ""),
-        "condition_number": float(design.meta["cond"]),
-        "rank": int(design.meta["rank"]),
-    }
-    col_units = design.meta.get("column_units") or []
-    if col_units and len(set(col_units)) == 1 and col_units[0] is not None:
-        design_attrs["units"] = col_units[0]
-    for k in ("t_centre", "t_scale", "t_units", "period"):
-        if k in design.meta:
-            design_attrs[k] = design.meta[k]
-    if "t_centre" in design.meta:
-        design_attrs["comment"] = (
-            "columns are functions of t = (v - t_centre) / t_scale, v the obs coordinate "
-            "in t_units; a coefficient per unit of v is the coefficient / t_scale**power"
-        )
+    design_attrs = _design_attrs(design)
     ds = xr.Dataset(
         {
             "design": ((obs_dim, "coef"), np.asarray(design.array("A")), design_attrs),
@@ -591,12 +601,55 @@ def _write_failure(exc: OSError | RuntimeError, final: Path) -> OutputError:
     )
 
 
+def _training(ds: xr.Dataset, train: Artifact) -> None:
+    """Add the loss per epoch and the training's provenance to the output's skeleton."""
+    n = len(train.array("train_loss"))
+    ds.coords["epoch"] = (
+        "epoch",
+        np.arange(1, n + 1, dtype=np.int32),
+        {"long_name": "training epoch", "units": "1"},
+    )
+    ds["epoch"].encoding["_FillValue"] = None
+    for name, what in (("train_loss", "training"), ("val_loss", "validation")):
+        ds[name] = (
+            "epoch",
+            np.asarray(train.array(name)),
+            {"long_name": f"mean squared error of the model over the {what} pixels"},
+        )
+    meta = train.meta
+    ds.attrs["gridsolve_train_epochs"] = int(meta["epochs_run"])
+    ds.attrs["gridsolve_train_steps"] = int(meta["steps"])
+    ds.attrs["gridsolve_train_pixels"] = json.dumps(meta["counts"], sort_keys=True)
+    if meta.get("epsilon") is not None:
+        ds.attrs["gridsolve_train_epsilon"] = float(meta["epsilon"])
+        ds.attrs["gridsolve_train_delta"] = float(meta["delta"])
+
+
+def weights_path(output: Path) -> Path:
+    """Where the trained weights go: beside the output, ``<output>.weights.safetensors``."""
+    return output.with_name(f"{output.name}.weights.safetensors")
+
+
+def _write_weights(train: Artifact, output: Path) -> None:
+    """The trained weights as safetensors beside the output (atomically)."""
+    from safetensors.numpy import save_file
+
+    tensors = {
+        name.removeprefix("param:"): np.ascontiguousarray(arr)
+        for name, arr in train.arrays().items()
+        if name.startswith("param:")
+    }
+    with atomic_file(weights_path(output)) as tmp:
+        save_file(tensors, str(tmp))
+
+
 def write_netcdf(
     config: NetCDFWrite,
     load: Artifact,
     design: Artifact,
     tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
+    train: Artifact | None = None,
 ) -> Path:
     """Write the output file atomically and return its path.
 
@@ -616,7 +669,10 @@ def write_netcdf(
         )
     try:
         with atomic_file(final) as tmp:
-            _skeleton(load, design, attrs).to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
+            skeleton = _skeleton(load, design, attrs)
+            if train is not None:
+                _training(skeleton, train)
+            skeleton.to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
             with netCDF4.Dataset(tmp, "a") as nc:
                 _keep_obs_units(nc, load)
                 sizes = {yx[0]: int(load.meta["ny"]), yx[1]: int(load.meta["nx"])}
@@ -632,6 +688,8 @@ def write_netcdf(
                         if "flat_from" in v:
                             data = data.reshape(-1, *data.shape[-2:])
                         nc.variables[v["name"]][(..., ys, xs)] = data
+        if train is not None:
+            _write_weights(train, final)
     except GridsolveError:
         raise
     except (OSError, RuntimeError) as exc:
@@ -659,19 +717,28 @@ def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> St
         history=inputs["load"].meta.get("history", ""),
     )
     tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
-    path = write_netcdf(config, inputs["load"], inputs["design"], tiled, attrs)
-    return StageOutput(
-        meta={"path": str(path), "size": path.stat().st_size, "xxh3": file_digest(path)}
-    )
+    path = write_netcdf(config, inputs["load"], inputs["design"], tiled, attrs, inputs.get("train"))
+    meta: dict[str, Any] = _file_facts(path)
+    if "train" in inputs:
+        meta["weights"] = _file_facts(weights_path(path))
+    return StageOutput(meta=meta)
+
+
+def _file_facts(path: Path) -> dict[str, Any]:
+    return {"path": str(path), "size": path.stat().st_size, "xxh3": file_digest(path)}
+
+
+def _unchanged(facts: Mapping[str, Any]) -> bool:
+    p = Path(facts["path"])
+    try:
+        return bool(p.stat().st_size == facts["size"] and file_digest(p) == facts["xxh3"])
+    except OSError:
+        return False
 
 
 def still_valid(meta: Mapping[str, Any]) -> bool:
-    """Whether the file a stored write artifact describes is still there, unchanged."""
-    p = Path(meta["path"])
-    try:
-        return bool(p.stat().st_size == meta["size"] and file_digest(p) == meta["xxh3"])
-    except OSError:
-        return False
+    """Whether the files a stored write artifact describes are still there, unchanged."""
+    return _unchanged(meta) and ("weights" not in meta or _unchanged(meta["weights"]))
 
 
 def history_line(config_json: Mapping[str, Any]) -> str:
@@ -716,6 +783,7 @@ register(
         config=NetCDFWrite,
         run=run,
         inputs=("load", "design", "normal_equations", "solve", "model"),
+        optional_inputs=("train",),
         verify=still_valid,
         records_sources=True,
         alignment=lambda cfg, grid: chunk_alignment(cfg, grid["y_dim"], grid["x_dim"]),

@@ -62,6 +62,7 @@ def test_schema_is_json_with_every_stage() -> None:
         "design",
         "normal_equations",
         "solve",
+        "train",
         "model",
         "write",
         "cache",

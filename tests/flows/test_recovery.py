@@ -177,3 +177,56 @@ def test_corrupted_artifact_is_reported_and_recomputed(
     assert cache_column(log, "solve") == "hit" and cache_column(log, "model") != "hit"
     same_content(out, reference)  # recomputed, bit-identical
     assert any(p.name.startswith(victim.name) for p in (cache / "corrupt").iterdir())
+
+
+def epochs_stored(cache: Path) -> int:
+    n = 0
+    for manifest in (cache / "objects").glob("*/*/manifest.json"):
+        info = json.loads(manifest.read_text())
+        n += info.get("kind") == "train" and info.get("part") == "epoch"
+    return n
+
+
+def test_kill_during_training_then_resume_gives_the_same_weights(tmp_path: Path) -> None:
+    cube = tmp_path / "cube.nc"
+    ds = make_ds(n_obs=12, ny=96, nx=96, seed=5, datetime_obs=False)
+    ds["tgt"] = (("y", "x"), ds["signal"].values.mean(axis=0) - 2.0)
+    ds.to_netcdf(cube)
+
+    def config(name: str) -> Path:
+        folder = tmp_path / name
+        path = write_config(folder, cube, folder / "cache", folder / "out.nc")
+        raw = yaml.safe_load(path.read_text())
+        raw["load"]["target"] = "tgt"
+        raw["design"] = {"impl": "polynomial", "degree": 3}
+        raw["model"] = {"impl": "multidim_linear", "input_dim": 2, "hidden_dim": 2, "output_dim": 1}
+        raw["train"] = {"impl": "adam", "epochs": 12, "batch_pixels": 16, "lr": 0.01}
+        path.write_text(yaml.safe_dump(raw))
+        return path
+
+    straight = config("straight")
+    finish(start(straight, tmp_path / "straight.log"), tmp_path / "straight.log")
+    resumed = config("resumed")
+    log = tmp_path / "resumed.log"
+    proc = start(resumed, log)
+    wait_for(lambda: epochs_stored(tmp_path / "resumed" / "cache") >= 2, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = epochs_stored(tmp_path / "resumed" / "cache")
+    assert 2 <= done < 12, done  # killed mid-training
+    finish(start(resumed, log), log)
+    # resumed after the last stored epoch, not started again
+    store = Store(tmp_path / "resumed" / "cache")
+    [whole] = [
+        m.parent.name
+        for m in (tmp_path / "resumed" / "cache" / "objects").glob("*/*/manifest.json")
+        if json.loads(m.read_text()).get("kind") == "train"
+        and json.loads(m.read_text()).get("part") == "whole"
+    ]
+    assert store.get(whole).meta["resumed_after_epoch"] == done
+    a = (tmp_path / "straight" / "out.nc.weights.safetensors").read_bytes()
+    b = (tmp_path / "resumed" / "out.nc.weights.safetensors").read_bytes()
+    assert a == b
+    assert epochs_stored(tmp_path / "resumed" / "cache") == 12
+    # the killed run's dataset files were swept
+    assert not list((tmp_path / "resumed" / "cache" / "tmp").iterdir())

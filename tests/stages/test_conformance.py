@@ -77,6 +77,8 @@ def cube(tmp_path: Path) -> Path:
     t = np.linspace(-1, 1, n)
     ds["A"] = (("time", "col"), np.stack([np.ones(n), t, t**2, np.cos(3 * t)], axis=1))
     ds = ds.assign_coords(col=["one", "t", "t2", "cos3t"])
+    sig = np.nan_to_num(ds["signal"].values)
+    ds["tgt"] = (("out", "y", "x"), np.stack([sig.mean(axis=0) - 2, sig[0] - 2, sig[1] - 2]))
     path = tmp_path / "cube.nc"
     ds.to_netcdf(path)
     return path
@@ -99,6 +101,9 @@ def _config(tmp_path: Path, cube: Path, kind: str, impl: str) -> dict[str, Any]:
     if kind == "write":
         section["path"] = str(tmp_path / "out.nc")
     sections[kind] = section
+    if kind == "train" and impl != "none":
+        load["target"] = "tgt"
+        section.update(epochs=5, batch_pixels=8, lr=0.02, validation_fraction=0.0)
     if (kind, impl) == ("load", "demo"):
         sections["design"] = {"impl": "random", "coef": 4}
     return sections
@@ -110,7 +115,15 @@ def _run(tmp_path: Path, cube: Path, ctx: Any, kind: str, impl: str) -> tuple[An
 
 
 def test_every_kind_has_a_contract() -> None:
-    assert set(contracts()) == {"load", "design", "normal_equations", "solve", "model", "write"}
+    assert set(contracts()) == {
+        "load",
+        "design",
+        "normal_equations",
+        "solve",
+        "train",
+        "model",
+        "write",
+    }
 
 
 @pytest.mark.parametrize("impl", _impls("load"))
@@ -199,6 +212,45 @@ def test_write(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
     with xr.open_dataset(out) as ds:
         got = ds["coefficients"].values
         np.testing.assert_array_equal(got, coef.astype(got.dtype))
+
+
+@pytest.mark.parametrize("impl", _impls("train"))
+def test_train(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
+    if impl == "none":
+        cfg = build_config(_config(tmp_path, cube, "train", impl))
+        assert "train" not in run_plan(cfg.stage_configs(), ctx, tile_pixels=24)
+        return
+    cfg, refs = _run(tmp_path, cube, ctx, "train", impl)
+    coef = _assemble(ctx, refs["solve"], "coefficients")
+    status = _assemble(ctx, refs["solve"], "status")
+    with xr.open_dataset(cube) as ds:
+        target = ds["tgt"].values
+    from gridsolve.stages.model.vmapped import build_module, input_shape
+
+    def mse(module: torch.nn.Module) -> float:
+        errors = []
+        for j, i in zip(*np.nonzero(status == 0), strict=True):
+            x = torch.from_numpy(coef[:, j, i].astype(np.float32)).reshape(input_shape(cfg.model))
+            with torch.no_grad():
+                errors.append(
+                    float(((module(x).reshape(-1).numpy() - target[:, j, i]) ** 2).mean())
+                )
+        return float(np.mean(errors))
+
+    initial = build_module(cfg.model)
+    trained = build_module(cfg.model)
+    weights = ctx.store.get(refs["train"].key)
+    trained.load_state_dict(
+        {
+            k: torch.from_numpy(np.array(weights.array(f"param:{k}")))
+            for k, _ in trained.named_parameters()
+        }
+    )
+    assert mse(trained) < 0.9 * mse(initial)  # it learnt
+    history = refs["train"].meta["history"]
+    assert len(history) == 5
+    # the last epoch's mean loss is the mse of the weights during that epoch: near the final one
+    assert abs(history[-1]["train_loss"] - mse(trained)) < 0.5 * history[0]["train_loss"]
 
 
 def test_the_suite_covers_plugins() -> None:

@@ -39,9 +39,16 @@ def test_order_and_phases_come_from_the_declarations(tmp_path: Path, cube_path: 
     plan = build_plan(configs(tmp_path, cube_path))
     order = [s.kind for s in plan.steps]
     assert order == ["load", "design", "normal_equations", "solve", "model", "write"]
-    assert [s.kind for s in plan.before] == ["load", "design", "normal_equations"]
-    assert [s.kind for s in plan.tiled] == ["solve", "model"]
-    assert [s.kind for s in plan.after] == ["write"]
+    segments = [(seg.tiled, [s.kind for s in seg.steps]) for seg in plan.segments]
+    assert segments == [
+        (False, ["load"]),
+        (False, ["design"]),
+        (False, ["normal_equations"]),
+        (True, ["solve", "model"]),
+        (False, ["write"]),
+    ]
+    # train: none is left out of the plan, and nobody reads it
+    assert "train" not in order and all("train" not in s.inputs for s in plan.steps)
     # every stage comes after every stage it reads
     for i, s in enumerate(plan.steps):
         assert set(s.decl.inputs) <= set(order[:i])

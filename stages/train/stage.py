@@ -1,0 +1,272 @@
+"""The ``train`` stage: fits the model's single-sample module to ``load.target`` over pixels.
+
+One pixel is one sample: its solved coefficients (reshaped to the model's
+input shape) are the input, its target values the target. The numerics are in
+:mod:`gridsolve.stages.train.dpsgd`; this module turns the stored solve tiles
+into a dataset and the result into the stage's artifact.
+
+Out of core. The usable pixels' inputs and targets are copied once, tile by
+tile, into two memory-mapped files under the store's ``tmp`` folder, in
+global raster order (so pixel indices, shuffles and the validation split never
+depend on the tiling); minibatches are read from them by index. Only a
+one-byte-per-pixel mask is held for the whole grid.
+
+Resuming. After every epoch the training state (weights, optimiser state,
+history) is stored under a key derived from the stage's key and the epoch; a
+run killed mid-training and started again continues from the last stored
+epoch and ends with byte-identical weights.
+
+The module to train is the ``model`` section's (its architecture, initial
+weights file or seed, dtype and mode): the stage reads that config as a peer
+(``StageDecl.peers``), and its key covers only the fields that define the
+module (``ModelConfig.module_payload``), so changing what the model stage
+outputs (``jacobian``, ``wrt``) never retrains.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gridsolve.schemas.contracts import STATUS_CODES
+from gridsolve.schemas.errors import ContractError
+from gridsolve.schemas.kinds.model import ModelConfig
+from gridsolve.schemas.kinds.train import AdamTrain, GradientTrain, NoTrain, SGDTrain
+from gridsolve.stages.engine.blocks import read_block
+from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.hashing import hash_text
+from gridsolve.stages.engine.registry import StageDecl, register
+from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
+from gridsolve.stages.model import vmapped
+from gridsolve.stages.train import dpsgd
+
+VERSION = "1"
+
+
+def _stage(config: GradientTrain) -> str:
+    return f"train/{config.impl}"
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """The usable pixels' inputs and targets, memory-mapped, in global raster order."""
+
+    X: np.ndarray  # (N, coef)
+    Y: np.ndarray  # (N, n_out)
+    validation: np.ndarray  # (N,) bool: held out
+    counts: dict[str, int]
+
+
+def _usable(
+    config: GradientTrain, coef: np.ndarray, status: np.ndarray, target: np.ndarray
+) -> tuple[np.ndarray, dict[str, int]]:
+    """Which pixels of one tile are training samples, and why the others are not."""
+    codes = [STATUS_CODES[s] for s in config.usable_status]
+    ok_status = np.isin(status, codes)
+    finite_x = np.isfinite(coef).all(axis=0)
+    finite_y = np.isfinite(target).all(axis=0)
+    use = ok_status & finite_x & finite_y
+    counts = {
+        "excluded_status": int((~ok_status).sum()),
+        "excluded_coefficients_not_finite": int((ok_status & ~finite_x).sum()),
+        "excluded_target_not_finite": int((ok_status & finite_x & ~finite_y).sum()),
+    }
+    return use, counts
+
+
+def _mask(
+    config: GradientTrain, load: Artifact, solve: TiledArtifact
+) -> tuple[np.ndarray, dict[str, int]]:
+    """The usable-pixel mask of the whole grid and the exclusion counts."""
+    ny, nx = int(load.meta["ny"]), int(load.meta["nx"])
+    mask = np.zeros((ny, nx), dtype=bool)
+    counts: dict[str, int] = {}
+    for tile, art in solve.tiles:
+        target = read_block(load, "target", tile)
+        use, c = _usable(config, art.array("coefficients"), art.array("status"), target)
+        mask[tile.y0 : tile.y1, tile.x0 : tile.x1] = use
+        for k, v in c.items():
+            counts[k] = counts.get(k, 0) + v
+    return mask, counts
+
+
+def dataset(
+    config: GradientTrain, load: Artifact, solve: TiledArtifact, folder: Path, dtype: np.dtype
+) -> Dataset:
+    """The training dataset, in memory-mapped files under ``folder`` (the caller removes it)."""
+    mask, counts = _mask(config, load, solve)
+    n = int(mask.sum())
+    n_coef = int(solve.prepared.meta["coef"])
+    n_out = int(load.meta["aux"]["target"]["n_out"])
+    rank = np.cumsum(mask.ravel()).reshape(mask.shape) - 1  # raster position among usable
+    X = np.lib.format.open_memmap(folder / "X.npy", "w+", dtype, (max(n, 1), n_coef))
+    Y = np.lib.format.open_memmap(folder / "Y.npy", "w+", dtype, (max(n, 1), n_out))
+    for tile, art in solve.tiles:
+        ys, xs = slice(tile.y0, tile.y1), slice(tile.x0, tile.x1)
+        use = mask[ys, xs]
+        rows = rank[ys, xs][use]
+        X[rows] = art.array("coefficients")[:, use].T
+        Y[rows] = read_block(load, "target", tile)[:, use].T
+    ny, nx = mask.shape
+    held = dpsgd.block_split(ny, nx, config.validation_fraction, config.seed)[mask]
+    counts["train_pixels"] = int((~held).sum())
+    counts["validation_pixels"] = int(held.sum())
+    return Dataset(X=X[:n], Y=Y[:n], validation=held, counts=counts)
+
+
+def _fetcher(X: np.ndarray, Y: np.ndarray, rows: np.ndarray) -> dpsgd.Fetch:
+    """``fetch(indices)`` over the subset ``rows`` of the dataset."""
+
+    def fetch(indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        take = rows[np.asarray(indices)]
+        return torch.from_numpy(np.ascontiguousarray(X[take])), torch.from_numpy(
+            np.ascontiguousarray(Y[take])
+        )
+
+    return fetch
+
+
+def _initial(model: ModelConfig) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The model's module with its initial weights (file or seed), and its parameters."""
+    module = vmapped.build_module(model)
+    if model.weights is not None:
+        stage = f"model/{model.impl}"
+        vmapped.apply_weights(
+            module, vmapped.load_weights(model.weights, stage), model.weights, stage
+        )
+    params = {k: v.detach().clone() for k, v in module.named_parameters()}
+    return module, params
+
+
+def _epoch_key(stage_key: str, epoch: int) -> str:
+    return hash_text(f"{stage_key}/train-epoch/{epoch}")
+
+
+def _resume(config: GradientTrain, ctx: StageContext) -> dpsgd.TrainState | None:
+    """The state of the last epoch a killed run of this stage stored, if any."""
+    for epoch in range(config.epochs, 0, -1):
+        key = _epoch_key(ctx.key, epoch)
+        if ctx.store.check(key)[0] == "hit":
+            art = ctx.store.get(key)
+            return dpsgd.state_from_arrays(art.arrays(), art.meta["state"])
+    return None
+
+
+def _checkpoint(ctx: StageContext) -> Any:
+    def save(state: dpsgd.TrainState) -> None:
+        arrays, meta = dpsgd.state_to_arrays(state)
+        key = _epoch_key(ctx.key, state.epoch)
+        info = {"kind": "train", "part": "epoch", "epoch": state.epoch}
+        ctx.store.put(key, StageOutput(arrays=arrays, meta={"state": meta}), info)
+        ctx.logger.info("train: epoch %d done, loss %s", state.epoch, state.history[-1])
+
+    return save
+
+
+def _history_arrays(history: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    def col(name: str) -> np.ndarray:
+        return np.array(
+            [math.nan if h.get(name) is None else float(h[name]) for h in history],
+            dtype=np.float64,
+        )
+
+    return {"train_loss": col("train_loss"), "val_loss": col("val_loss")}
+
+
+def run(config: GradientTrain, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
+    """Train the model's module on the usable pixels; the weights and the loss history."""
+    model = ctx.peers["model"]
+    assert isinstance(model, ModelConfig)
+    load, solve = inputs["load"], inputs["solve"]
+    if load.meta["aux"].get("target") is None:
+        raise ContractError(
+            "training needs a target, and the input has none",
+            stage=_stage(config),
+            fix="set load.target to the variable of per-pixel targets",
+        )
+    module, params = _initial(model)
+    dtype = np.dtype(model.dtype)
+    shape = tuple(vmapped.input_shape(model))
+    resumed = _resume(config, ctx)
+    with ctx.store.scratch() as folder:
+        data = dataset(config, load, solve, folder, dtype)
+        train_rows = np.flatnonzero(~data.validation)
+        val_rows = np.flatnonzero(data.validation)
+        validation = (_fetcher(data.X, data.Y, val_rows), len(val_rows)) if len(val_rows) else None
+        result = dpsgd.train(
+            module,
+            params,
+            _fetcher(data.X, data.Y, train_rows),
+            len(train_rows),
+            config,
+            validation=validation,
+            input_shape=shape,
+            state=resumed,
+            on_epoch=_checkpoint(ctx),
+        )
+        counts = data.counts
+    state = result.state
+    eps, delta = dpsgd.privacy_spent(config, counts["train_pixels"], state.steps)
+    arrays: dict[str, np.ndarray] = {
+        f"param:{k}": v.detach().cpu().numpy() for k, v in result.params.items()
+    }
+    arrays.update(_history_arrays(state.history))
+    meta = {
+        "epochs_run": state.epoch,
+        # run facts, not results: a resumed run's weights equal an uninterrupted run's
+        "resumed_after_epoch": resumed.epoch if resumed is not None else 0,
+        "best_epoch": state.best_epoch,
+        "steps": state.steps,
+        "counts": counts,
+        "epsilon": None if math.isinf(eps) else eps,
+        "delta": delta,
+        "history": state.history,
+        "params": {k: list(v.shape) for k, v in result.params.items()},
+    }
+    return StageOutput(arrays=arrays, meta=meta)
+
+
+def run_none(config: NoTrain, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
+    """No training: never run, since a ``none`` train is left out of the plan."""
+    raise ContractError(
+        "train impl 'none' does not run", stage="train/none", fix="leave it to the plan"
+    )
+
+
+register(
+    StageDecl(
+        kind="train",
+        impl="none",
+        version=VERSION,
+        config=NoTrain,
+        run=run_none,
+        summary="no training: the model's weights as given (left out of the plan)",
+    )
+)
+for _impl, _cfg, _summary in (
+    ("sgd", SGDTrain, "minibatch SGD with per-sample clipping, optionally DP-SGD"),
+    ("adam", AdamTrain, "Adam with per-sample clipping, optionally DP noise"),
+):
+    register(
+        StageDecl(
+            kind="train",
+            impl=_impl,
+            version=VERSION,
+            config=_cfg,
+            run=run,
+            inputs=("load", "solve"),
+            peers=("model",),
+            summary=_summary,
+            describe=lambda meta: (
+                f"{meta['epochs_run']} epoch(s), {meta['steps']} steps, "
+                f"{meta['counts'].get('train_pixels', 0)} training pixels, "
+                f"last loss {meta['history'][-1]['train_loss'] if meta['history'] else None}"
+            ),
+        )
+    )
