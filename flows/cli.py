@@ -208,6 +208,37 @@ def _trend_config() -> dict[str, Any]:
     }
 
 
+def _train_config() -> dict[str, Any]:
+    """The demo cube's model trained to predict the seasonal range (README's training example)."""
+    return {
+        "load": {
+            "impl": "netcdf",
+            "path": "demo.nc",
+            "variable": "signal",
+            "target": "seasonal_range",
+        },
+        "design": {"impl": "harmonic", "harmonics": 1},
+        "train": {
+            "impl": "adam",
+            "epochs": 30,
+            "batch_pixels": 256,
+            "lr": 0.05,
+            "clip_norm": 1.0,
+            "validation_fraction": 0.1,
+            "early_stopping": 5,
+        },
+        "model": {
+            "impl": "multidim_linear",
+            "input_dim": 2,
+            "hidden_dim": 2,
+            "output_dim": 1,
+            "objective": "mse",
+        },
+        "write": {"impl": "netcdf", "path": "train.nc"},
+        "cache": {"root": ".cache"},
+    }
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Write the demo cube and config under ``--out``, then run them."""
     from gridsolve.schemas.errors import OutputError
@@ -237,7 +268,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "# Is the trend significant? `gridsolve run trend.yaml` (README, uncertainty)\n"
         + yaml.safe_dump(_trend_config(), sort_keys=False)
     )
-    print(f"demo cube {cube} ({args.size}), config {config} (and {trend.name})")
+    train = out / "train.yaml"
+    train.write_text(
+        "# Train the model to predict the seasonal range: `gridsolve run train.yaml` "
+        "(README, training)\n" + yaml.safe_dump(_train_config(), sort_keys=False)
+    )
+    print(f"demo cube {cube} ({args.size}), config {config} (and {trend.name}, {train.name})")
     return _run(config, args.overrides, args.debug)
 
 

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from gridsolve.flows.failures import install as install_failure_logging
 from gridsolve.flows.failures import noting_user_errors
 from gridsolve.flows.quicklook import markdown as quicklook_markdown
-from gridsolve.flows.quicklook import write_quicklook
+from gridsolve.flows.quicklook import write_loss_curve, write_quicklook
 from gridsolve.schemas import templating
 from gridsolve.schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
 from gridsolve.schemas.base import StageConfig
@@ -133,6 +133,24 @@ def task_options(cache: CacheConfig) -> dict[str, Any]:
     return {"result_storage": Path(cache.root).expanduser().resolve() / PREFECT_RECORDS}
 
 
+def _progress_artifact() -> Callable[[float, str], None]:
+    """``progress(fraction, description)`` shown as a Prefect progress artifact of the task."""
+    made: list[UUID] = []
+
+    def report(fraction: float, description: str) -> None:
+        try:
+            if not made:
+                made_id = create_progress_artifact(100.0 * fraction, description=description)
+                assert isinstance(made_id, UUID)
+                made.append(made_id)
+            else:
+                update_progress_artifact(made[0], 100.0 * fraction, description=description)
+        except Exception as exc:  # showing progress must never fail the stage
+            get_run_logger().debug("progress artifact not updated: %s", exc)
+
+    return report
+
+
 def _ctx(
     cache: CacheConfig,
     execution: ExecutionConfig,
@@ -143,6 +161,7 @@ def _ctx(
         memory_budget=execution.memory_budget_bytes,
         logger=get_run_logger(),  # type: ignore[arg-type]
         peers=dict(peers or {}),
+        progress=_progress_artifact(),
     )
 
 
@@ -618,6 +637,13 @@ def _publish(summary: RunSummary) -> None:
             key="gridsolve-quicklook",
             description="first coefficient and residual RMS maps",
         )
+        curve = write_loss_curve(summary.output)
+        if curve is not None:
+            create_markdown_artifact(
+                markdown=quicklook_markdown(curve[1], curve[0], summary.output, "training loss"),
+                key="gridsolve-loss-curve",
+                description="training and validation loss per epoch",
+            )
     except Exception as exc:  # a picture must never fail a run that wrote its output
         logger.warning("quick-look picture not made: %s", exc)
 

@@ -44,19 +44,52 @@ def quicklook_png(output: str | Path) -> bytes:
     return buf.getvalue()
 
 
+def loss_curve_png(output: str | Path) -> bytes | None:
+    """PNG bytes of the training and validation loss per epoch, or None without training."""
+    with xr.open_dataset(output) as ds:
+        if "train_loss" not in ds:
+            return None
+        epoch = ds["epoch"].values
+        train = ds["train_loss"].values
+        val = ds["val_loss"].values
+    fig, ax = plt.subplots(figsize=(5, 3.4), dpi=80, constrained_layout=True)
+    ax.plot(epoch, train, marker="o", label="training")
+    if np.isfinite(val).any():
+        ax.plot(epoch, val, marker="s", label="validation")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("mean squared error")
+    ax.set_yscale("log" if np.nanmin(train) > 0 else "linear")
+    ax.set_title("training loss")
+    ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _write_beside(output: str | Path, suffix: str, png: bytes) -> Path:
+    path = Path(f"{output}.{suffix}.png")
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(png)
+    return path
+
+
 def write_quicklook(output: str | Path) -> tuple[Path, bytes]:
     """Write ``<output>.quicklook.png`` beside the output (atomically); return path and bytes."""
     png = quicklook_png(output)
-    path = Path(f"{output}.quicklook.png")
-    with atomic_file(path) as tmp:
-        tmp.write_bytes(png)
-    return path, png
+    return _write_beside(output, "quicklook", png), png
 
 
-def markdown(png: bytes, path: Path, output: str | Path) -> str:
+def write_loss_curve(output: str | Path) -> tuple[Path, bytes] | None:
+    """Write ``<output>.loss.png`` beside the output when it holds a training's losses."""
+    png = loss_curve_png(output)
+    return None if png is None else (_write_beside(output, "loss", png), png)
+
+
+def markdown(png: bytes, path: Path, output: str | Path, title: str = "quick look") -> str:
     """Markdown showing the picture inline, with where the file and the picture are."""
     data = base64.b64encode(png).decode("ascii")
     return (
-        f"### gridsolve quick look\n\n![quick look](data:image/png;base64,{data})\n\n"
+        f"### gridsolve {title}\n\n![{title}](data:image/png;base64,{data})\n\n"
         f"Output: `{output}`  \nPicture: `{path}`\n"
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,8 @@ class StageContext:
     key: str = ""
     #: the configs of other kinds the stage reads (``StageDecl.peers``), by kind
     peers: Mapping[str, Any] = field(default_factory=dict)
+    #: ``progress(fraction, description)`` for long stages (the flow shows it in Prefect)
+    progress: Callable[[float, str], None] | None = None
 
     def with_peers(self, peers: Mapping[str, Any]) -> StageContext:
         """The same context, for a stage that reads ``peers``."""

@@ -30,7 +30,13 @@ def make_cube(
     nan_fraction: float = 0.0,
     dtype: str = "float32",
 ) -> xr.Dataset:
-    """A dataset with variable ``signal (time, y, x)``; ``nan_fraction`` of values set to NaN."""
+    """A dataset with ``signal (time, y, x)`` and a training target ``seasonal_range (y, x)``.
+
+    ``nan_fraction`` of the signal's values are set to NaN. ``seasonal_range``
+    is the peak-to-trough range of each pixel's seasonal cycle (twice its
+    amplitude) with a little noise: what the training example teaches the
+    model to predict from the fitted coefficients.
+    """
     rng = np.random.default_rng(seed)
     time = pd.date_range("2020-01-01", periods=n_obs, freq="7D")
     t = np.linspace(-1.0, 1.0, n_obs, dtype=np.float64)
@@ -48,13 +54,19 @@ def make_cube(
     ).astype(dtype)
     if nan_fraction > 0:
         data[rng.random(data.shape) < nan_fraction] = np.nan
+    seasonal_range = (2.0 * amp + 0.05 * rng.standard_normal((ny, nx))).astype(dtype)
     return xr.Dataset(
         {
             "signal": (
                 ("time", "y", "x"),
                 data,
                 {"long_name": "synthetic seasonal signal", "units": "1"},
-            )
+            ),
+            "seasonal_range": (
+                ("y", "x"),
+                seasonal_range,
+                {"long_name": "peak-to-trough range of the seasonal cycle", "units": "1"},
+            ),
         },
         coords={
             "time": ("time", time),

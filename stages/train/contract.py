@@ -29,6 +29,9 @@ CONTRACT = add(
                 arrays={
                     "train_loss": ArraySpec(("epoch",), "f", "mean training loss per epoch"),
                     "val_loss": ArraySpec(("epoch",), "f", "validation loss per epoch"),
+                    "grad_norm": ArraySpec(
+                        ("y", "x"), "f", "per-pixel gradient norm at the trained weights"
+                    ),
                 },
                 meta=TrainMeta,
             )

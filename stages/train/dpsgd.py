@@ -225,6 +225,16 @@ def per_sample_losses(
     return losses
 
 
+def per_sample_grad_norms(
+    module: nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    """L2 norm over all parameters of each sample's loss gradient (B,), at ``params``."""
+    buffers = {k: v.detach() for k, v in module.named_buffers()}
+    grads, _ = _per_sample(module, buffers)(dict(params), x, y)
+    squares = [g.reshape(g.shape[0], -1).double().pow(2).sum(dim=1) for g in grads.values()]
+    return torch.stack(squares).sum(dim=0).sqrt()
+
+
 def dp_step(
     module: nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -487,6 +497,205 @@ def _check_resumable(
         )
 
 
+@dataclass
+class _Run:
+    """A run in progress: the live weights and optimiser, and what a snapshot of it keeps."""
+
+    epoch: int
+    leaves: dict[str, torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    history: list[dict[str, Any]]
+    steps: int
+    best_params: dict[str, torch.Tensor] | None
+    best_loss: float | None
+    best_epoch: int | None
+    bad_epochs: int
+    stopped: bool
+
+
+@dataclass
+class _EpochSums:
+    """Sums over one epoch's steps of the per-sample losses and gradient norms, and counts."""
+
+    loss_sum: float = 0.0
+    norm_sum: float = 0.0
+    clipped: int = 0
+    seen: int = 0
+    steps: int = 0
+
+
+def _check_inputs(
+    module: nn.Module,
+    n_pixels: int,
+    validation: tuple[Fetch, int] | None,
+    config: GradientTrain,
+    stage: str,
+) -> None:
+    """ContractError/ConfigError if there is nothing to train on or the config cannot apply."""
+    if n_pixels < 1:
+        raise ContractError(
+            "there are no training pixels",
+            stage=stage,
+            fix="check train.usable_status and the validation_fraction, or the data",
+        )
+    check_trainable(module, stage)
+    n_val = 0 if validation is None else validation[1]
+    if config.early_stopping is not None and n_val < 1:
+        raise ContractError(
+            "early_stopping needs validation pixels, and there are none",
+            stage=stage,
+            fix="raise train.validation_fraction, or set train.early_stopping: null",
+        )
+
+
+def _start_run(
+    params: Mapping[str, torch.Tensor],
+    n_pixels: int,
+    config: GradientTrain,
+    state: TrainState | None,
+    stage: str,
+) -> _Run:
+    """The run continuing ``state`` (or a fresh one), its weights on the device of ``params``."""
+    if state is None:
+        state = _fresh_state(params, n_pixels)
+    else:
+        _check_resumable(state, params, n_pixels, stage)
+    device = next(iter(params.values())).device
+    leaves = {k: v.detach().clone().to(device) for k, v in state.params.items()}
+    optimizer = make_optimizer(config, list(leaves.values()))
+    if state.optimizer:
+        optimizer.load_state_dict(copy.deepcopy(state.optimizer))
+    return _Run(
+        epoch=state.epoch,
+        leaves=leaves,
+        optimizer=optimizer,
+        history=copy.deepcopy(state.history),
+        steps=state.steps,
+        best_params=None if state.best_params is None else _clone(state.best_params),
+        best_loss=state.best_loss,
+        best_epoch=state.best_epoch,
+        bad_epochs=state.bad_epochs,
+        stopped=state.stopped,
+    )
+
+
+def _snapshot(run: _Run, n_pixels: int) -> TrainState:
+    """A copy of ``run`` as a :class:`TrainState`, unaffected by later steps."""
+    return TrainState(
+        epoch=run.epoch,
+        n_pixels=n_pixels,
+        params=_clone(run.leaves),
+        optimizer=copy.deepcopy(run.optimizer.state_dict()),
+        history=copy.deepcopy(run.history),
+        steps=run.steps,
+        best_params=None if run.best_params is None else _clone(run.best_params),
+        best_loss=run.best_loss,
+        best_epoch=run.best_epoch,
+        bad_epochs=run.bad_epochs,
+        stopped=run.stopped,
+    )
+
+
+def _train_epoch(
+    module: nn.Module,
+    run: _Run,
+    fetch: Fetch,
+    n_pixels: int,
+    config: GradientTrain,
+    input_shape: tuple[int, ...] | None,
+    stage: str,
+) -> _EpochSums:
+    """Takes every step of epoch ``run.epoch``, adds them to ``run.steps``, returns its sums."""
+    poisson = config.noise_multiplier > 0
+    divisor = expected_batch(config.batch_pixels, n_pixels) if poisson else None
+    like = next(iter(run.leaves.values()))
+    gen = _noise_generator(config.seed, run.epoch, like.device) if poisson else None
+    sums = _EpochSums()
+    for idx in epoch_batches(n_pixels, config.batch_pixels, poisson, config.seed, run.epoch):
+        if len(idx):
+            x, y = _batch(fetch, idx, like, input_shape, stage)
+        else:
+            x = y = torch.zeros(0, dtype=like.dtype, device=like.device)
+        stats = dp_step(
+            module,
+            run.leaves,
+            run.optimizer,
+            x,
+            y,
+            clip_norm=config.clip_norm,
+            noise_multiplier=config.noise_multiplier,
+            divisor=divisor,
+            generator=gen,
+        )
+        sums.loss_sum += float(stats.losses.double().sum())
+        sums.norm_sum += float(stats.norms.double().sum())
+        if config.clip_norm is not None:
+            sums.clipped += int((stats.norms > config.clip_norm).sum())
+        sums.seen += len(idx)
+        sums.steps += 1
+    run.steps += sums.steps
+    return sums
+
+
+def _validation_loss(
+    module: nn.Module,
+    leaves: Mapping[str, torch.Tensor],
+    validation: tuple[Fetch, int] | None,
+    config: GradientTrain,
+    input_shape: tuple[int, ...] | None,
+    stage: str,
+) -> float | None:
+    """Mean loss of the validation pixels at ``leaves``; None without validation pixels."""
+    if validation is None or validation[1] < 1:
+        return None
+    return mean_loss(
+        module,
+        leaves,
+        validation[0],
+        validation[1],
+        config.batch_pixels,
+        input_shape=input_shape,
+        stage=stage,
+    )
+
+
+def _record_epoch(run: _Run, sums: _EpochSums, val_loss: float | None, stage: str) -> None:
+    """Appends epoch ``run.epoch`` to the history; NumericalError if training diverged."""
+    seen = sums.seen
+    train_loss = sums.loss_sum / seen if seen else math.nan
+    finite = math.isfinite(sums.loss_sum) and (val_loss is None or math.isfinite(val_loss))
+    if not (finite and all(bool(torch.isfinite(v).all()) for v in run.leaves.values())):
+        raise NumericalError(
+            f"training diverged in epoch {run.epoch}: the loss or the weights are not finite",
+            stage=stage,
+            found=f"train loss {train_loss}, validation loss {val_loss}",
+            fix="lower train.lr, or set train.clip_norm",
+        )
+    run.history.append(
+        {
+            "epoch": run.epoch,
+            "train_loss": train_loss if seen else None,
+            "val_loss": val_loss,
+            "steps": sums.steps,
+            "pixels": seen,
+            "grad_norm_mean": sums.norm_sum / seen if seen else None,
+            "clipped_fraction": sums.clipped / seen if seen else None,
+        }
+    )
+
+
+def _track_best(run: _Run, val_loss: float | None, patience: int | None) -> None:
+    """Updates the best epoch and the patience counter of ``run``, and stops it when spent."""
+    if val_loss is None or patience is None:
+        return
+    if run.best_loss is None or val_loss < run.best_loss:
+        run.best_loss, run.best_epoch, run.bad_epochs = val_loss, run.epoch, 0
+        run.best_params = _clone(run.leaves)
+    else:
+        run.bad_epochs += 1
+        run.stopped = run.bad_epochs >= patience
+
+
 def train(
     module: nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -511,129 +720,18 @@ def train(
     modified; its buffers are used as constants.
     """
     stage = _stage(config)
-    if n_pixels < 1:
-        raise ContractError(
-            "there are no training pixels",
-            stage=stage,
-            fix="check train.usable_status and the validation_fraction, or the data",
-        )
-    check_trainable(module, stage)
-    n_val = 0 if validation is None else validation[1]
-    if config.early_stopping is not None and n_val < 1:
-        raise ContractError(
-            "early_stopping needs validation pixels, and there are none",
-            stage=stage,
-            fix="raise train.validation_fraction, or set train.early_stopping: null",
-        )
-    if state is None:
-        state = _fresh_state(params, n_pixels)
-    else:
-        _check_resumable(state, params, n_pixels, stage)
-    device = next(iter(params.values())).device
-    leaves = {k: v.detach().clone().to(device) for k, v in state.params.items()}
-    optimizer = make_optimizer(config, list(leaves.values()))
-    if state.optimizer:
-        optimizer.load_state_dict(copy.deepcopy(state.optimizer))
-    history = copy.deepcopy(state.history)
-    best_params = None if state.best_params is None else _clone(state.best_params)
-    best_loss, best_epoch, bad, steps = (
-        state.best_loss,
-        state.best_epoch,
-        state.bad_epochs,
-        state.steps,
-    )
-    stopped = state.stopped
-    poisson = config.noise_multiplier > 0
-    divisor = expected_batch(config.batch_pixels, n_pixels) if poisson else None
+    _check_inputs(module, n_pixels, validation, config, stage)
+    run = _start_run(params, n_pixels, config, state, stage)
     last = config.epochs if until_epoch is None else min(until_epoch, config.epochs)
-    like = next(iter(leaves.values()))
-    epoch = state.epoch
-
-    def snapshot() -> TrainState:
-        return TrainState(
-            epoch=epoch,
-            n_pixels=n_pixels,
-            params=_clone(leaves),
-            optimizer=copy.deepcopy(optimizer.state_dict()),
-            history=copy.deepcopy(history),
-            steps=steps,
-            best_params=None if best_params is None else _clone(best_params),
-            best_loss=best_loss,
-            best_epoch=best_epoch,
-            bad_epochs=bad,
-            stopped=stopped,
-        )
-
-    while not stopped and epoch < last:
-        epoch += 1
-        gen = _noise_generator(config.seed, epoch, device) if poisson else None
-        loss_sum, norm_sum, clipped, seen, epoch_steps = 0.0, 0.0, 0, 0, 0
-        for idx in epoch_batches(n_pixels, config.batch_pixels, poisson, config.seed, epoch):
-            if len(idx):
-                x, y = _batch(fetch, idx, like, input_shape, stage)
-            else:
-                x = y = torch.zeros(0, dtype=like.dtype, device=device)
-            stats = dp_step(
-                module,
-                leaves,
-                optimizer,
-                x,
-                y,
-                clip_norm=config.clip_norm,
-                noise_multiplier=config.noise_multiplier,
-                divisor=divisor,
-                generator=gen,
-            )
-            loss_sum += float(stats.losses.double().sum())
-            norm_sum += float(stats.norms.double().sum())
-            if config.clip_norm is not None:
-                clipped += int((stats.norms > config.clip_norm).sum())
-            seen += len(idx)
-            epoch_steps += 1
-        steps += epoch_steps
-        train_loss = loss_sum / seen if seen else math.nan
-        val_loss = (
-            None
-            if validation is None or n_val < 1
-            else mean_loss(
-                module,
-                leaves,
-                validation[0],
-                n_val,
-                config.batch_pixels,
-                input_shape=input_shape,
-                stage=stage,
-            )
-        )
-        finite = math.isfinite(loss_sum) and (val_loss is None or math.isfinite(val_loss))
-        if not (finite and all(bool(torch.isfinite(v).all()) for v in leaves.values())):
-            raise NumericalError(
-                f"training diverged in epoch {epoch}: the loss or the weights are not finite",
-                stage=stage,
-                found=f"train loss {train_loss}, validation loss {val_loss}",
-                fix="lower train.lr, or set train.clip_norm",
-            )
-        history.append(
-            {
-                "epoch": epoch,
-                "train_loss": train_loss if seen else None,
-                "val_loss": val_loss,
-                "steps": epoch_steps,
-                "pixels": seen,
-                "grad_norm_mean": norm_sum / seen if seen else None,
-                "clipped_fraction": clipped / seen if seen else None,
-            }
-        )
-        if val_loss is not None and config.early_stopping is not None:
-            if best_loss is None or val_loss < best_loss:
-                best_loss, best_epoch, bad = val_loss, epoch, 0
-                best_params = _clone(leaves)
-            else:
-                bad += 1
-                stopped = bad >= config.early_stopping
+    while not run.stopped and run.epoch < last:
+        run.epoch += 1
+        sums = _train_epoch(module, run, fetch, n_pixels, config, input_shape, stage)
+        val_loss = _validation_loss(module, run.leaves, validation, config, input_shape, stage)
+        _record_epoch(run, sums, val_loss, stage)
+        _track_best(run, val_loss, config.early_stopping)
         if on_epoch is not None:
-            on_epoch(snapshot())
-    final = snapshot()
+            on_epoch(_snapshot(run, n_pixels))
+    final = _snapshot(run, n_pixels)
     keep = final.best_params if final.best_params is not None else final.params
     return TrainResult(params=_clone(keep), state=final)
 

@@ -61,6 +61,7 @@ class Dataset:
     Y: np.ndarray  # (N, n_out)
     validation: np.ndarray  # (N,) bool: held out
     counts: dict[str, int]
+    mask: np.ndarray  # (ny, nx) bool: the usable pixels, in the order of X's rows
 
 
 def _usable(
@@ -117,7 +118,7 @@ def dataset(
     held = dpsgd.block_split(ny, nx, config.validation_fraction, config.seed)[mask]
     counts["train_pixels"] = int((~held).sum())
     counts["validation_pixels"] = int(held.sum())
-    return Dataset(X=X[:n], Y=Y[:n], validation=held, counts=counts)
+    return Dataset(X=X[:n], Y=Y[:n], validation=held, counts=counts, mask=mask)
 
 
 def _fetcher(X: np.ndarray, Y: np.ndarray, rows: np.ndarray) -> dpsgd.Fetch:
@@ -158,15 +159,47 @@ def _resume(config: GradientTrain, ctx: StageContext) -> dpsgd.TrainState | None
     return None
 
 
-def _checkpoint(ctx: StageContext) -> Any:
+def _checkpoint(config: GradientTrain, ctx: StageContext) -> Any:
+    """After each epoch: store the state (to resume from) and report the progress."""
+
     def save(state: dpsgd.TrainState) -> None:
         arrays, meta = dpsgd.state_to_arrays(state)
         key = _epoch_key(ctx.key, state.epoch)
         info = {"kind": "train", "part": "epoch", "epoch": state.epoch}
         ctx.store.put(key, StageOutput(arrays=arrays, meta={"state": meta}), info)
-        ctx.logger.info("train: epoch %d done, loss %s", state.epoch, state.history[-1])
+        last = state.history[-1]
+        line = f"train: epoch {state.epoch}/{config.epochs}, loss {last['train_loss']:.6g}"
+        if last.get("val_loss") is not None:
+            line += f", validation loss {last['val_loss']:.6g}"
+        ctx.logger.info(line)
+        if ctx.progress is not None:
+            ctx.progress(state.epoch / config.epochs, line)
 
     return save
+
+
+def grad_norm_map(
+    module: torch.nn.Module,
+    params: Mapping[str, torch.Tensor],
+    data: Dataset,
+    shape: tuple[int, ...],
+    chunk: int,
+) -> np.ndarray:
+    """Per-pixel L2 norm of the loss gradient at ``params`` (y, x); NaN where not usable.
+
+    A map of how strongly each pixel pulls on the weights: outliers stand out.
+    """
+    out = np.full(data.mask.shape, np.nan, dtype=np.float32)
+    flat = out.reshape(-1)
+    where = np.flatnonzero(data.mask.reshape(-1))
+    like = next(iter(params.values()))
+    for start in range(0, len(where), chunk):
+        stop = min(len(where), start + chunk)
+        x = torch.from_numpy(np.ascontiguousarray(data.X[start:stop])).to(like.dtype)
+        y = torch.from_numpy(np.ascontiguousarray(data.Y[start:stop])).to(like.dtype)
+        norms = dpsgd.per_sample_grad_norms(module, params, x.reshape(-1, *shape), y)
+        flat[where[start:stop]] = norms.numpy()
+    return out
 
 
 def _history_arrays(history: list[dict[str, Any]]) -> dict[str, np.ndarray]:
@@ -208,15 +241,17 @@ def run(config: GradientTrain, inputs: Mapping[str, Any], ctx: StageContext) -> 
             validation=validation,
             input_shape=shape,
             state=resumed,
-            on_epoch=_checkpoint(ctx),
+            on_epoch=_checkpoint(config, ctx),
         )
         counts = data.counts
+        grad_norm = grad_norm_map(module, result.params, data, shape, config.batch_pixels)
     state = result.state
     eps, delta = dpsgd.privacy_spent(config, counts["train_pixels"], state.steps)
     arrays: dict[str, np.ndarray] = {
         f"param:{k}": v.detach().cpu().numpy() for k, v in result.params.items()
     }
     arrays.update(_history_arrays(state.history))
+    arrays["grad_norm"] = grad_norm
     meta = {
         "epochs_run": state.epoch,
         # run facts, not results: a resumed run's weights equal an uninterrupted run's

@@ -601,8 +601,8 @@ def _write_failure(exc: OSError | RuntimeError, final: Path) -> OutputError:
     )
 
 
-def _training(ds: xr.Dataset, train: Artifact) -> None:
-    """Add the loss per epoch and the training's provenance to the output's skeleton."""
+def _training(ds: xr.Dataset, train: Artifact, y_dim: str, x_dim: str) -> None:
+    """Add the loss per epoch, the gradient-norm map and the training's provenance."""
     n = len(train.array("train_loss"))
     ds.coords["epoch"] = (
         "epoch",
@@ -616,6 +616,16 @@ def _training(ds: xr.Dataset, train: Artifact) -> None:
             np.asarray(train.array(name)),
             {"long_name": f"mean squared error of the model over the {what} pixels"},
         )
+    ds["grad_norm"] = (
+        (y_dim, x_dim),
+        np.asarray(train.array("grad_norm")),
+        {
+            "long_name": "L2 norm of the per-pixel gradient of the training loss with respect "
+            "to all model parameters, at the trained weights",
+            "comment": "before clipping; NaN where the pixel was not used for training or "
+            "validation. Large values mark the pixels that pull hardest on the weights.",
+        },
+    )
     meta = train.meta
     ds.attrs["gridsolve_train_epochs"] = int(meta["epochs_run"])
     ds.attrs["gridsolve_train_steps"] = int(meta["steps"])
@@ -671,7 +681,7 @@ def write_netcdf(
         with atomic_file(final) as tmp:
             skeleton = _skeleton(load, design, attrs)
             if train is not None:
-                _training(skeleton, train)
+                _training(skeleton, train, *yx)
             skeleton.to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
             with netCDF4.Dataset(tmp, "a") as nc:
                 _keep_obs_units(nc, load)

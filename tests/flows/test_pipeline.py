@@ -154,3 +154,38 @@ def test_servers_listen_on_loopback_only(prefect_server: Any) -> None:
         if state == "0A" and int(port, 16) == prefect_server.port:  # 0A: LISTEN
             listening.append(addr)
     assert listening == ["0100007F"], listening  # 127.0.0.1
+
+
+def test_training_through_the_flow_reports_progress_and_the_loss_curve(
+    tmp_path: Path, write_cube: Any
+) -> None:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    ds = make_ds(n_obs=20, ny=9, nx=10)
+    ds["tgt"] = (("y", "x"), ds["signal"].values.mean(axis=0) - 2.0)
+    cube = write_cube(ds)
+    cfg = config(
+        tmp_path,
+        cube,
+        load={"target": "tgt"},
+        train={"impl": "sgd", "epochs": 3, "batch_pixels": 16, "lr": 0.05},
+        model={"output_dim": 1},
+    )
+    summary = run_config(cfg)
+    assert [s.stage for s in summary.stages].index("train") == 4  # between solve and model
+    assert cache_states(summary)["train"] == "miss"
+    assert Path(f"{summary.output}.loss.png").read_bytes().startswith(b"\x89PNG")
+    assert Path(f"{summary.output}.weights.safetensors").is_file()
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[summary.flow_run_id])
+            )
+        )
+    progress = [
+        a for a in artifacts if a.type == "progress" and "train: epoch" in (a.description or "")
+    ]
+    assert progress and progress[0].data == 100.0  # 3/3 epochs
+    assert "gridsolve-loss-curve" in {a.key for a in artifacts}
+    again = run_config(cfg)
+    assert cache_states(again)["train"] == "hit"

@@ -83,18 +83,28 @@ def oracle_weights(cube: Path, epochs: int, lr: float, clip: float, momentum: fl
         for p, g in zip(model.parameters(), total, strict=True):
             p.grad = g / len(X)
         opt.step()
-    return {k: v.detach().numpy() for k, v in model.named_parameters()}
+    norms = []
+    for i in range(len(X)):  # each pixel's gradient norm at the final weights
+        m = copy.deepcopy(model)
+        ((m(X[i]) - Y[i]) ** 2).mean().backward()
+        norms.append(float(torch.sqrt(sum((p.grad**2).sum() for p in m.parameters()))))
+    weights = {k: v.detach().numpy() for k, v in model.named_parameters()}
+    return weights, np.array(norms).reshape(y.shape[1:])
 
 
 def test_trained_weights_match_a_per_sample_loop_on_numpy_lstsq(tmp_path: Path, ctx: Any) -> None:
     cube = cube_with_target(tmp_path / "cube.nc")
     raw = sections(tmp_path, cube, batch_pixels=10_000, clip_norm=0.5, momentum=0.5)
     refs = run(tmp_path, raw, ctx, tile_pixels=50)  # several tiles
-    expected = oracle_weights(cube, epochs=3, lr=0.05, clip=0.5, momentum=0.5)
+    expected, norms = oracle_weights(cube, epochs=3, lr=0.05, clip=0.5, momentum=0.5)
     written = load_file(str(tmp_path / "out.nc.weights.safetensors"))
     assert set(written) == set(expected)
     for name, value in expected.items():
         np.testing.assert_allclose(written[name], value, rtol=1e-7, atol=1e-10, err_msg=name)
+    import xarray as xr
+
+    with xr.open_dataset(tmp_path / "out.nc") as ds:
+        np.testing.assert_allclose(ds["grad_norm"].values, norms, rtol=1e-5)
     # the model stage ran with those weights
     model = ctx.store.get(refs["model"].prepared.key)
     for name, value in expected.items():
