@@ -47,6 +47,7 @@ def test_wheel_installs_only_the_gridsolve_top_level_name(tmp_path: Path) -> Non
             assert f"gridsolve/{init.relative_to(REPO).as_posix()}" in names, init
 
 
+@pytest.mark.usefixtures("prefect_server")
 def test_local_folders_named_like_the_packages_do_not_shadow_them(tmp_path: Path) -> None:
     # A project folder with its own flows/, stages/ and schemas/ (and tests/ on PYTHONPATH).
     for name in ("flows", "stages", "schemas"):
@@ -66,3 +67,14 @@ def test_local_folders_named_like_the_packages_do_not_shadow_them(tmp_path: Path
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "shadowed" not in proc.stdout + proc.stderr
+    # and the main job runs there too (the demo cube, on the test session's Prefect server)
+    demo = subprocess.run(
+        [str(gridsolve), "demo", "--out", str(tmp_path / "demo")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
+    assert (tmp_path / "demo" / "output.nc").is_file()
