@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -228,3 +229,10 @@ def test_the_flow_takes_one_parameter_per_config_section() -> None:
     # every parameter has a default, and together they are a valid config (the demo)
     cfg = build_config({name: p.default for name, p in params.items()})
     assert cfg.stage_configs()["design"].impl == "random"
+    # and the form Prefect builds from it offers every kind, the train section included
+    from prefect.utilities.callables import parameter_schema
+
+    schema = parameter_schema(pipeline.fn).model_dump()
+    assert list(schema["properties"]) == list(PipelineConfig.model_fields)
+    train = json.dumps(schema["properties"]["train"])
+    assert all(impl in train for impl in ('"none"', '"sgd"', '"adam"'))
