@@ -32,16 +32,61 @@ VERSION = "1"
 OUTPUTS = {"A": ArraySpec(("obs", "coef"), "f", "design matrix, float64")}
 
 
-def obs_axis(values: np.ndarray, stage: str) -> tuple[np.ndarray, str]:
+#: Days per unit of a CF time coordinate's ``<unit> since <date>``; months and years
+#: are left out on purpose: their length depends on the calendar and the date.
+_DAYS_PER = {
+    **dict.fromkeys(("days", "day", "d"), 1.0),
+    **dict.fromkeys(("hours", "hour", "hr", "hrs", "h"), 1 / 24),
+    **dict.fromkeys(("minutes", "minute", "min", "mins"), 1 / 1440),
+    **dict.fromkeys(("seconds", "second", "sec", "secs", "s"), 1 / 86_400),
+}
+#: Days in a year of each CF calendar: the default period of a harmonic design.
+YEAR_DAYS = {
+    "noleap": 365.0,
+    "365_day": 365.0,
+    "all_leap": 366.0,
+    "366_day": 366.0,
+    "360_day": 360.0,
+}
+
+
+def stored_time(load_meta: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(units, calendar) of an obs coordinate kept as stored CF time numbers; else None."""
+    attrs = (load_meta.get("coord_attrs") or {}).get("obs") or {}
+    units, calendar = attrs.get("units"), attrs.get("calendar")
+    if isinstance(units, str) and " since " in units and isinstance(calendar, str):
+        return units, calendar
+    return None
+
+
+def obs_axis(
+    values: np.ndarray, stage: str, time: tuple[str, str] | None = None
+) -> tuple[np.ndarray, str]:
     """The observation coordinate as float64 and its unit ("days" for datetimes).
 
-    Refuses NaT, NaN and infinite values (the load stage refuses them first).
+    ``time`` is the (units, calendar) of a coordinate kept as stored CF time
+    numbers (calendars datetime64 cannot hold): it becomes days since the
+    units' reference date, counted in its calendar. Refuses NaT, NaN and
+    infinite values (the load stage refuses them first).
     """
     if np.issubdtype(values.dtype, np.datetime64):
         ns = values.astype("datetime64[ns]")
         # NaT is the most negative int64: as days it would silently become -1e8.
         axis = np.where(np.isnat(ns), np.nan, ns.astype(np.int64) / 86_400e9)
         unit = "days since 1970-01-01"
+    elif time is not None and values.dtype.kind in "fiu":
+        step, _, since = time[0].partition(" since ")
+        factor = _DAYS_PER.get(step.strip().lower())
+        if factor is None:
+            raise ContractError(
+                f"a generated design cannot use the time unit {step.strip()!r}",
+                stage=stage,
+                found=f"obs coordinate units {time[0]!r} (calendar {time[1]})",
+                fix="store the time in days, hours, minutes or seconds since a date "
+                "(months and years have no fixed length), or use design impl 'variable'",
+            )
+        axis = values.astype(np.float64) * factor
+        unit = f"days since {since.strip()} ({time[1]} calendar)"
     elif values.dtype.kind in "fiu":
         axis, unit = values.astype(np.float64), "coordinate units"
     else:
@@ -65,7 +110,7 @@ def obs_axis(values: np.ndarray, stage: str) -> tuple[np.ndarray, str]:
 
 def axis_unit(load_meta: Mapping[str, Any], values: np.ndarray) -> str | None:
     """The unit one step of the raw obs axis is in ("day" for datetimes); None if unknown."""
-    if np.issubdtype(values.dtype, np.datetime64):
+    if np.issubdtype(values.dtype, np.datetime64) or stored_time(load_meta) is not None:
         return "day"
     units = (load_meta.get("coord_attrs", {}).get("obs") or {}).get("units")
     if isinstance(units, str) and units.strip() and "since" not in units:
@@ -152,7 +197,7 @@ def run_polynomial(
 ) -> StageOutput:
     """Columns t**0 … t**degree of the (scaled) observation coordinate."""
     raw = inputs["load"].array("obs")
-    v, unit = obs_axis(raw, "design/polynomial")
+    v, unit = obs_axis(raw, "design/polynomial", stored_time(inputs["load"].meta))
     centre, half = centre_scale(v) if config.scale else (0.0, 1.0)
     t = (v - centre) / half
     A = np.stack([t**k for k in range(config.degree + 1)], axis=1)
@@ -178,10 +223,13 @@ def run_harmonic(
 ) -> StageOutput:
     """Mean, optional trend, and cos/sin of 2πk(v - centre)/period for k = 1…harmonics."""
     raw = inputs["load"].array("obs")
-    v, unit = obs_axis(raw, "design/harmonic")
+    time = stored_time(inputs["load"].meta)
+    v, unit = obs_axis(raw, "design/harmonic", time)
     centre, half = centre_scale(v)
     if config.period is not None:
         period = config.period
+    elif time is not None:
+        period = YEAR_DAYS.get(time[1].lower(), 365.25)
     elif np.issubdtype(raw.dtype, np.datetime64):
         period = 365.25
     else:

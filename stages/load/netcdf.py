@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import xarray as xr
+from xarray import SerializationWarning
 
 from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.contracts import numeric_kind
@@ -87,7 +88,10 @@ def open_netcdf(path: str | Path, stage: str = STAGE) -> xr.Dataset:
             fix="convert the data to NetCDF (e.g. xarray's Dataset.to_netcdf) or fix load.path",
         )
     try:
-        with _OPEN_LOCK:
+        with _OPEN_LOCK, warnings.catch_warnings():
+            # Times datetime64 cannot hold come back as cftime dates, which are handled
+            # (kept as stored numbers, see _coord): xarray's warning about it is noise here.
+            warnings.filterwarnings("ignore", "Unable to decode time axis", SerializationWarning)
             return xr.open_dataset(p, engine="netcdf4", cache=False, decode_timedelta=False)
     except Exception as exc:
         raise InputError(
@@ -263,13 +267,46 @@ class Scan:
     identity: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
+def is_cftime(values: np.ndarray) -> bool:
+    """Whether ``values`` are cftime dates (times in a calendar numpy cannot hold)."""
+    first = values.reshape(-1)[:1]
+    return (
+        values.dtype == object
+        and len(first) == 1
+        and type(first[0]).__module__.startswith("cftime")
+    )
+
+
+def _stored_time(path: str, name: str, what: str) -> tuple[np.ndarray, dict[str, str]]:
+    """A time variable's stored numbers and its ``units``/``calendar``, as in the file."""
+    raw_ds = _open_raw(path)
+    try:
+        raw = raw_ds[name]
+        values = _read(raw, what, path)
+        attrs = {k: str(raw.attrs[k]) for k in ("units", "calendar") if k in raw.attrs}
+    finally:
+        raw_ds.close()
+    attrs.setdefault("calendar", "standard")
+    return values, attrs
+
+
 def _coord(
     ds: xr.Dataset, da: xr.DataArray, dim: str, path: str
 ) -> tuple[np.ndarray, dict[str, Any]]:
+    """A dim's coordinate values and kept attributes.
+
+    Times in calendars numpy's datetime64 cannot hold (``noleap``, ``360_day``,
+    ``gregorian`` before 1582, …) are kept as the file stores them, numbers with
+    their ``units`` and ``calendar``: the output writes them back unchanged and
+    generated designs read them as days (see ``design.builtin.obs_axis``).
+    """
     if dim in da.coords:
         c = da.coords[dim]
         values = _read(c, f"coordinate {dim!r}", path)
         attrs = {k: _jsonable(v) for k, v in c.attrs.items() if k in _KEPT_ATTRS}
+        if is_cftime(values):
+            values, time_attrs = _stored_time(path, dim, f"coordinate {dim!r}")
+            attrs.update(time_attrs)
     else:
         values = np.arange(da.sizes[dim])
         attrs = {}
@@ -305,14 +342,20 @@ def _coord_cf(
                 info["encoding"][k] = str(c.encoding[k])
         if "dtype" in c.encoding:
             info["encoding"]["dtype"] = np.dtype(c.encoding["dtype"]).str
+    stored_time = "units" in c.encoding and is_cftime(np.asarray(c.values[:1]))
+    if stored_time:  # kept as stored numbers: the time attributes go with them
+        info["attrs"]["units"] = str(c.encoding["units"])
+        info["attrs"]["calendar"] = str(c.encoding.get("calendar", "standard"))
     name = c.attrs.get("bounds")
     if not isinstance(name, str) or name not in ds.variables:
         return info, None
     b = ds[name]
-    if b.ndim != 2 or str(b.dims[0]) != dim or b.dtype.kind != values.dtype.kind:
+    bounds = _stored_time(path, name, f"bounds {name!r}")[0] if stored_time else None
+    bounds_kind = bounds.dtype.kind if bounds is not None else b.dtype.kind
+    if b.ndim != 2 or str(b.dims[0]) != dim or bounds_kind != values.dtype.kind:
         return info, None  # not bounds this coordinate's values can use
     info["bounds"] = {"name": name, "dims": [str(d) for d in b.dims]}
-    return info, _read(b, f"bounds {name!r}", path)
+    return info, bounds if bounds is not None else _read(b, f"bounds {name!r}", path)
 
 
 def _nonfinite(values: np.ndarray) -> tuple[int, int, str] | None:

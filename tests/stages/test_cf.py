@@ -36,7 +36,16 @@ INPUT_HISTORY = "2024-01-01: made by the gridsolve tests"
 
 
 # ---------------------------------------------------------------- a realistic CF input
-def cf_input(path: Path, n_obs: int = 24, ny: int = 6, nx: int = 8) -> Path:
+def cf_input(
+    path: Path,
+    n_obs: int = 24,
+    ny: int = 6,
+    nx: int = 8,
+    *,
+    calendar: str = "gregorian",
+    units: str = "days since 1800-1-1 00:00:00",
+    time: np.ndarray | None = None,
+) -> Path:
     """SST anomalies as CF files have them: lat/lon with bounds, float64 gregorian time."""
     rng = np.random.default_rng(0)
     with netCDF4.Dataset(path, "w", format="NETCDF4") as nc:
@@ -45,7 +54,8 @@ def cf_input(path: Path, n_obs: int = 24, ny: int = 6, nx: int = 8) -> Path:
         nc.history = INPUT_HISTORY
         for dim, n in (("time", None), ("lat", ny), ("lon", nx), ("nv", 2)):
             nc.createDimension(dim, n)
-        time = 58804.0 + 30.4375 * np.arange(n_obs)  # mid-month, 1961 on
+        if time is None:
+            time = 58804.0 + 30.4375 * np.arange(n_obs)  # mid-month, 1961 on
         lat = (np.arange(ny) * 2.0 - 5).astype("f4")
         lon = (np.arange(nx) * 2.0 + 1).astype("f4")
         for name, dtype, values, attrs in (
@@ -54,8 +64,8 @@ def cf_input(path: Path, n_obs: int = 24, ny: int = 6, nx: int = 8) -> Path:
                 "f8",
                 time,
                 {
-                    "units": "days since 1800-1-1 00:00:00",
-                    "calendar": "gregorian",
+                    "units": units,
+                    "calendar": calendar,
                     "long_name": "Time",
                     "standard_name": "time",
                     "axis": "T",
@@ -346,3 +356,66 @@ def test_ncks_reads_both_layouts(request: pytest.FixtureRequest, layout: str) ->
     res = run(tool("ncks"), "-m", str(out))
     assert res.returncode == 0, res.stderr
     assert "coefficients" in res.stdout and "coef_name" in res.stdout
+
+
+# ---------------------------------------------------------------- calendars numpy cannot hold
+CALENDARS = [
+    # (calendar, units, stored times, days per stored unit, days in a year)
+    ("noleap", "days since 1600-01-01", 15.5 + 365 / 12 * np.arange(24), 1.0, 365.0),
+    ("360_day", "hours since 2000-01-01", 24 * (15.0 + 30 * np.arange(24)), 1 / 24, 360.0),
+    ("gregorian", "days since 1500-1-1", 15.0 + 30.4375 * np.arange(24), 1.0, 365.25),
+]
+
+
+@pytest.mark.parametrize(("calendar", "units", "stored", "per_day", "year"), CALENDARS)
+def test_times_in_other_calendars_round_trip_and_feed_the_design(
+    chain: Chain,
+    tmp_path: Path,
+    calendar: str,
+    units: str,
+    stored: np.ndarray,
+    per_day: float,
+    year: float,
+) -> None:
+    src = cf_input(tmp_path / "in.nc", calendar=calendar, units=units, time=stored)
+    out = run_chain(chain, src, tmp_path / "out.nc")
+    with netCDF4.Dataset(src) as a, netCDF4.Dataset(out) as b:
+        ta, tb = a["time"], b["time"]
+        assert tb.dtype == ta.dtype and tb.units == ta.units and tb.calendar == ta.calendar
+        np.testing.assert_array_equal(tb[:], ta[:])
+        np.testing.assert_array_equal(b["time_bnds"][:], a["time_bnds"][:])
+        design = b["design"][:]
+        trend_units = b["trend"].units
+    # the harmonic design from the stored numbers, independently: days, centred, one year
+    days = stored * per_day
+    centre, half = (days.min() + days.max()) / 2, (days.max() - days.min()) / 2
+    w = 2 * np.pi * (days - centre) / year
+    expected = np.stack([np.ones_like(days), (days - centre) / half, np.cos(w), np.sin(w)], 1)
+    np.testing.assert_allclose(design, expected, rtol=1e-12, atol=1e-12)
+    assert trend_units == "K day-1"
+    with xr.open_dataset(src, use_cftime=True) as a, xr.open_dataset(out, use_cftime=True) as b:
+        assert list(b["time"].values) == list(a["time"].values)  # the same dates
+
+
+def test_a_time_in_months_is_refused_for_generated_designs(chain: Chain, tmp_path: Path) -> None:
+    from gridsolve.schemas.errors import ContractError
+
+    src = cf_input(
+        tmp_path / "in.nc",
+        calendar="360_day",
+        units="months since 2000-01-01",
+        time=np.arange(24.0),
+    )
+    with pytest.raises(ContractError, match="months and years have no fixed length"):
+        run_chain(chain, src, tmp_path / "out.nc")
+
+
+def test_compliance_checker_finds_no_new_errors_in_a_noleap_file(
+    chain: Chain, tmp_path: Path
+) -> None:
+    calendar, units, stored, _, _ = CALENDARS[0]
+    src = cf_input(tmp_path / "in.nc", calendar=calendar, units=units, time=stored)
+    out = run_chain(chain, src, tmp_path / "out.nc")
+    before, _ = compliance_errors(src, tmp_path)
+    after, text = compliance_errors(out, tmp_path)
+    assert after - before == set(), text
