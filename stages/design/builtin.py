@@ -240,10 +240,13 @@ def run_harmonic(
     if config.trend:
         cols.append((v - centre) / half)
         names.append("t")
+    harmonics = []
     for k in range(1, config.harmonics + 1):
         w = 2 * np.pi * k * (v - centre) / period
+        harmonics.append({"k": k, "cos": len(cols), "sin": len(cols) + 1})
         cols += [np.cos(w), np.sin(w)]
         names += [f"cos{k}", f"sin{k}"]
+    step = axis_unit(inputs["load"].meta, raw)
     return _output(
         np.stack(cols, axis=1),
         names,
@@ -254,7 +257,10 @@ def run_harmonic(
             "t_scale": half,
             "t_units": unit,
             "column_units": ["1"] * len(names),
-            **_trend(1 if config.trend else None, half, axis_unit(inputs["load"].meta, raw)),
+            # which columns are each harmonic's cos and sin: the output's amplitude and phase
+            "harmonics": harmonics,
+            "axis_step": step,
+            **_trend(1 if config.trend else None, half, step),
         },
     )
 

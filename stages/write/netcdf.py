@@ -275,6 +275,60 @@ def _contract_variables(
     return out
 
 
+def _harmonic_variables(
+    design: Artifact, units: str | None, y: str, x: str
+) -> list[dict[str, Any]]:
+    """Amplitude and peak time of each harmonic of a harmonic design, from its cos/sin pair.
+
+    ``c cos w + s sin w = A cos(w - φ)`` with ``A = hypot(c, s)``, ``φ = atan2(s, c)``
+    and ``w = 2πk (v - t_centre) / period``: the maximum is at
+    ``v = t_centre + φ period / (2πk)``, given within one period of the harmonic.
+    """
+    harmonics = design.meta.get("harmonics") or []
+    if not harmonics:
+        return []
+    cos_i = np.array([h["cos"] for h in harmonics])
+    sin_i = np.array([h["sin"] for h in harmonics])
+    ks = np.array([h["k"] for h in harmonics], dtype=np.float64)[:, None, None]
+    period = float(design.meta["period"])
+    step = design.meta.get("axis_step")
+
+    def amplitude(a: np.ndarray) -> np.ndarray:
+        c, s = a[cos_i].astype(np.float64), a[sin_i].astype(np.float64)
+        out: np.ndarray = np.hypot(c, s).astype(a.dtype)
+        return out
+
+    def peak(a: np.ndarray) -> np.ndarray:
+        c, s = a[cos_i].astype(np.float64), a[sin_i].astype(np.float64)
+        phi = np.mod(np.arctan2(s, c), 2 * np.pi)
+        out: np.ndarray = (phi * period / (2 * np.pi * ks)).astype(a.dtype)
+        return out
+
+    return [
+        {
+            "name": "amplitude",
+            "src": ("solve", "coefficients"),
+            "fn": amplitude,
+            "dims": ("harmonic", y, x),
+            "attrs": {
+                "long_name": "amplitude of each harmonic: hypot of its cos and sin coefficients",
+                **({"units": units} if units else {}),
+            },
+        },
+        {
+            "name": "peak_offset",
+            "src": ("solve", "coefficients"),
+            "fn": peak,
+            "dims": ("harmonic", y, x),
+            "attrs": {
+                "long_name": "time of each harmonic's maximum after the design's t_centre, "
+                "within one period of the harmonic (period / harmonic)",
+                **({"units": step} if step else {}),
+            },
+        },
+    ]
+
+
 def _variables(
     load: Artifact,
     design: Artifact,
@@ -389,6 +443,7 @@ def _variables(
                 },
             }
         )
+    out += _harmonic_variables(design, units, y, x)
     # Optional outputs (gradients w.r.t. what wrt excludes, the Jacobian) where made.
     kept = [
         v for v in out if tiled[v["src"][0]].tiles and v["src"][1] in tiled[v["src"][0]].tiles[0][1]
@@ -463,6 +518,16 @@ def _skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.
         {"long_name": "design column", "units": "1"},
     )
     coords["coef_name"] = ("coef", np.array(cols, dtype=str), {"long_name": "design column name"})
+    n_harmonics = len(design.meta.get("harmonics") or [])
+    if n_harmonics:
+        coords["harmonic"] = (
+            "harmonic",
+            np.arange(1, n_harmonics + 1, dtype=np.int32),
+            {
+                "long_name": "harmonic number k (its period is the design's period / k)",
+                "units": "1",
+            },
+        )
     coef_units = coefficient_units(load, design)
     if "coef_units" in _coef_labels(coef_units):
         coords["coef_units"] = (

@@ -419,3 +419,35 @@ def test_compliance_checker_finds_no_new_errors_in_a_noleap_file(
     before, _ = compliance_errors(src, tmp_path)
     after, text = compliance_errors(out, tmp_path)
     assert after - before == set(), text
+
+
+def test_harmonic_amplitude_and_peak_time(nested: Path) -> None:
+    # the input's seasonal part is sin(2πk/12) on a monthly axis: amplitude 1 K, peak at month 3
+    with xr.open_dataset(nested, decode_times=False) as ds:
+        amp = ds["amplitude"].sel(harmonic=1).values
+        peak = ds["peak_offset"].sel(harmonic=1).values
+        coef = ds["coefficients"].values
+        design = ds["design"].values
+        names = [str(n) for n in ds["coef_name"].values]
+        centre, period = ds["design"].attrs["t_centre"], ds["design"].attrs["period"]
+        time = ds["time"].values
+        assert ds["amplitude"].attrs["units"] == "K" and ds["peak_offset"].attrs["units"] == "day"
+        assert list(ds["harmonic"].values) == [1]
+    # the design's axis is days since 1970-01-01 (t_units); the file's, days since 1800-1-1
+    assert ds["design"].attrs["t_units"] == "days since 1970-01-01"
+    time = time - (np.datetime64("1970-01-01") - np.datetime64("1800-01-01")).astype(int)
+    ok = np.isfinite(amp)
+    np.testing.assert_allclose(amp[ok], 1.0, atol=0.15)
+    expected_peak = np.mod(time[3] - centre, period)
+    gap = np.abs(np.mod(peak[ok] - expected_peak + period / 2, period) - period / 2)
+    assert gap.max() < 10.0, gap.max()  # days
+    # A cos(w - φ) is the fitted c cos w + s sin w at every observation
+    c, s = coef[names.index("cos1")], coef[names.index("sin1")]
+    fitted = (
+        design[:, names.index("cos1"), None, None] * c
+        + design[:, names.index("sin1"), None, None] * s
+    )
+    w = 2 * np.pi * (time - centre) / period
+    phi = 2 * np.pi * peak / period
+    again = amp[None] * np.cos(w[:, None, None] - phi[None])
+    np.testing.assert_allclose(again[:, ok], fitted[:, ok], atol=1e-4)
