@@ -6,10 +6,11 @@ input shape) are the input, its target values the target. The numerics are in
 into a dataset and the result into the stage's artifact.
 
 Out of core. The usable pixels' inputs and targets are copied once, tile by
-tile, into two memory-mapped files under the store's ``tmp`` folder, in
-global raster order (so pixel indices, shuffles and the validation split never
-depend on the tiling); minibatches are read from them by index. Only a
-one-byte-per-pixel mask is held for the whole grid.
+tile, into two files in a scratch folder of the store, in global raster order
+(so pixel indices, shuffles and the validation split never depend on the
+tiling); minibatches are read from them by index, each read mapping the files
+only while it copies its rows (:class:`Rows`). The whole grid costs a
+one-byte-per-pixel mask and the epoch's permutation.
 
 Resuming. After every epoch the training state (weights, optimiser state,
 history) is stored under a key derived from the stage's key and the epoch; a
@@ -26,7 +27,8 @@ outputs (``jacobian``, ``wrt``) never retrains.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ from gridsolve.schemas.errors import ContractError
 from gridsolve.schemas.kinds.model import ModelConfig
 from gridsolve.schemas.kinds.train import AdamTrain, GradientTrain, NoTrain, SGDTrain
 from gridsolve.stages.engine.blocks import read_block
-from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.context import StageContext, work_share
 from gridsolve.stages.engine.hashing import hash_text
 from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
@@ -53,12 +55,93 @@ def _stage(config: GradientTrain) -> str:
     return f"train/{config.impl}"
 
 
+class _Streamed:
+    """One .npy file of rows read with ``pread``: nothing of it stays in the process."""
+
+    def __init__(self, path: Path) -> None:
+        header = np.load(path, mmap_mode="r")
+        self._width, self._dtype, self._offset = header.shape[1], header.dtype, header.offset
+        del header
+        self._row_bytes = self._width * self._dtype.itemsize
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def read(self, at: np.ndarray | slice) -> np.ndarray:
+        """A copy of rows ``at`` (indices, or a slice with step 1)."""
+        rb = self._row_bytes
+        if isinstance(at, slice):
+            n = max(0, at.stop - at.start)
+            buf = bytearray(os.pread(self._fd, n * rb, self._offset + at.start * rb))
+        else:
+            # A mapping would keep ~64 KiB per row in the process (the kernel maps pages
+            # around each fault): reads of single rows keep the memory flat instead.
+            buf = bytearray(rb * len(at))
+            view = memoryview(buf)
+            for j, i in enumerate(np.asarray(at).tolist()):
+                os.preadv(self._fd, [view[j * rb : (j + 1) * rb]], self._offset + i * rb)
+        return np.frombuffer(buf, self._dtype).reshape(-1, self._width)
+
+    def __del__(self) -> None:
+        os.close(self._fd)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Inputs X (N, coef) and targets Y (N, n_out) in two .npy files, read by row.
+
+    Writes map the files only while they copy their rows; reads keep the rows
+    in memory when both files fit in ``budget`` bytes and stream them from the
+    files otherwise (:meth:`reader`).
+    """
+
+    x_path: Path
+    y_path: Path
+    budget: int = 256 * 2**20
+
+    @classmethod
+    def create(
+        cls,
+        folder: Path,
+        n: int,
+        n_coef: int,
+        n_out: int,
+        dtype: np.dtype,
+        budget: int = 256 * 2**20,
+    ) -> Rows:
+        """Two new files of ``n`` rows, under ``folder``."""
+        rows = cls(folder / "X.npy", folder / "Y.npy", budget)
+        for path, width in ((rows.x_path, n_coef), (rows.y_path, n_out)):
+            np.lib.format.open_memmap(path, "w+", dtype, (max(n, 1), width))
+        return rows
+
+    def write(self, at: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+        """Rows ``at`` set to ``x`` and ``y``."""
+        for path, values in ((self.x_path, x), (self.y_path, y)):
+            mapped = np.lib.format.open_memmap(path, "r+")
+            mapped[at] = values
+            mapped.flush()
+            del mapped
+
+    def reader(self) -> Callable[[np.ndarray | slice], tuple[np.ndarray, np.ndarray]]:
+        """``read(at)``: copies of rows ``at`` of X and Y.
+
+        Files that fit in ``budget`` together are read into memory once (fast
+        gathers); larger ones are streamed row by row, so memory stays flat
+        however large the grid (a speed-only choice: the rows are the same).
+        """
+        size = self.x_path.stat().st_size + self.y_path.stat().st_size
+        if size <= self.budget:
+            x_all, y_all = np.load(self.x_path), np.load(self.y_path)
+            return lambda at: (np.ascontiguousarray(x_all[at]), np.ascontiguousarray(y_all[at]))
+        x, y = _Streamed(self.x_path), _Streamed(self.y_path)
+        return lambda at: (x.read(at), y.read(at))
+
+
 @dataclass(frozen=True)
 class Dataset:
-    """The usable pixels' inputs and targets, memory-mapped, in global raster order."""
+    """The usable pixels' inputs and targets, in global raster order, in files."""
 
-    X: np.ndarray  # (N, coef)
-    Y: np.ndarray  # (N, n_out)
+    rows: Rows
+    n: int
     validation: np.ndarray  # (N,) bool: held out
     counts: dict[str, int]
     mask: np.ndarray  # (ny, nx) bool: the usable pixels, in the order of X's rows
@@ -98,37 +181,39 @@ def _mask(
 
 
 def dataset(
-    config: GradientTrain, load: Artifact, solve: TiledArtifact, folder: Path, dtype: np.dtype
+    config: GradientTrain,
+    load: Artifact,
+    solve: TiledArtifact,
+    folder: Path,
+    dtype: np.dtype,
+    budget: int = 256 * 2**20,
 ) -> Dataset:
-    """The training dataset, in memory-mapped files under ``folder`` (the caller removes it)."""
+    """The training dataset, in files under ``folder`` (the caller removes it)."""
     mask, counts = _mask(config, load, solve)
     n = int(mask.sum())
     n_coef = int(solve.prepared.meta["coef"])
     n_out = int(load.meta["aux"]["target"]["n_out"])
     rank = np.cumsum(mask.ravel()).reshape(mask.shape) - 1  # raster position among usable
-    X = np.lib.format.open_memmap(folder / "X.npy", "w+", dtype, (max(n, 1), n_coef))
-    Y = np.lib.format.open_memmap(folder / "Y.npy", "w+", dtype, (max(n, 1), n_out))
+    rows = Rows.create(folder, n, n_coef, n_out, dtype, budget)
     for tile, art in solve.tiles:
         ys, xs = slice(tile.y0, tile.y1), slice(tile.x0, tile.x1)
         use = mask[ys, xs]
-        rows = rank[ys, xs][use]
-        X[rows] = art.array("coefficients")[:, use].T
-        Y[rows] = read_block(load, "target", tile)[:, use].T
+        target = read_block(load, "target", tile)
+        rows.write(rank[ys, xs][use], art.array("coefficients")[:, use].T, target[:, use].T)
     ny, nx = mask.shape
     held = dpsgd.block_split(ny, nx, config.validation_fraction, config.seed)[mask]
     counts["train_pixels"] = int((~held).sum())
     counts["validation_pixels"] = int(held.sum())
-    return Dataset(X=X[:n], Y=Y[:n], validation=held, counts=counts, mask=mask)
+    return Dataset(rows=rows, n=n, validation=held, counts=counts, mask=mask)
 
 
-def _fetcher(X: np.ndarray, Y: np.ndarray, rows: np.ndarray) -> dpsgd.Fetch:
-    """``fetch(indices)`` over the subset ``rows`` of the dataset."""
+def fetcher(rows: Rows, subset: np.ndarray) -> dpsgd.Fetch:
+    """``fetch(indices)`` over the dataset rows ``subset`` (indices are positions in it)."""
+    read = rows.reader()
 
     def fetch(indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        take = rows[np.asarray(indices)]
-        return torch.from_numpy(np.ascontiguousarray(X[take])), torch.from_numpy(
-            np.ascontiguousarray(Y[take])
-        )
+        x, y = read(subset[np.asarray(indices)])
+        return torch.from_numpy(x), torch.from_numpy(y)
 
     return fetch
 
@@ -193,10 +278,11 @@ def grad_norm_map(
     flat = out.reshape(-1)
     where = np.flatnonzero(data.mask.reshape(-1))
     like = next(iter(params.values()))
+    read = data.rows.reader()
     for start in range(0, len(where), chunk):
         stop = min(len(where), start + chunk)
-        x = torch.from_numpy(np.ascontiguousarray(data.X[start:stop])).to(like.dtype)
-        y = torch.from_numpy(np.ascontiguousarray(data.Y[start:stop])).to(like.dtype)
+        xs, ys = read(slice(start, stop))
+        x, y = torch.from_numpy(xs).to(like.dtype), torch.from_numpy(ys).to(like.dtype)
         norms = dpsgd.per_sample_grad_norms(module, params, x.reshape(-1, *shape), y)
         flat[where[start:stop]] = norms.numpy()
     return out
@@ -228,14 +314,14 @@ def run(config: GradientTrain, inputs: Mapping[str, Any], ctx: StageContext) -> 
     shape = tuple(vmapped.input_shape(model))
     resumed = _resume(config, ctx)
     with ctx.store.scratch() as folder:
-        data = dataset(config, load, solve, folder, dtype)
+        data = dataset(config, load, solve, folder, dtype, work_share(ctx.memory_budget))
         train_rows = np.flatnonzero(~data.validation)
         val_rows = np.flatnonzero(data.validation)
-        validation = (_fetcher(data.X, data.Y, val_rows), len(val_rows)) if len(val_rows) else None
+        validation = (fetcher(data.rows, val_rows), len(val_rows)) if len(val_rows) else None
         result = dpsgd.train(
             module,
             params,
-            _fetcher(data.X, data.Y, train_rows),
+            fetcher(data.rows, train_rows),
             len(train_rows),
             config,
             validation=validation,

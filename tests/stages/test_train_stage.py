@@ -169,3 +169,36 @@ def test_training_needs_a_target(tmp_path: Path) -> None:
     raw["load"].pop("target")
     with pytest.raises(ConfigError, match=r"load\.target"):
         build_config(raw)
+
+
+def test_rows_read_the_same_in_memory_and_streamed(tmp_path: Path) -> None:
+    from gridsolve.stages.train.stage import Rows
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((50, 6)), rng.standard_normal((50, 2))
+    rows = Rows.create(tmp_path, 50, 6, 2, np.dtype(np.float64))
+    rows.write(rng.permutation(50), x, y)  # scattered writes, as tiles make them
+    memory = rows.reader()  # fits the default budget
+    streamed = Rows(rows.x_path, rows.y_path, budget=0).reader()
+    for at in (np.array([3, 7, 7, 49, 0]), slice(5, 17), np.array([], dtype=np.int64)):
+        for a, b in zip(memory(at), streamed(at), strict=True):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_streaming_the_dataset_gives_the_same_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gridsolve.stages.engine.context import StageContext
+    from gridsolve.stages.engine.store import Store
+    from gridsolve.stages.train import stage
+
+    cube = cube_with_target(tmp_path / "cube.nc")
+    weights = []
+    for name, share in (("memory", stage.work_share), ("streamed", lambda budget: 0)):
+        monkeypatch.setattr(stage, "work_share", share)  # 0: rows streamed from the files
+        ctx = StageContext(store=Store(tmp_path / name / "store"))  # trained afresh
+        raw = sections(tmp_path / name, cube, batch_pixels=20, validation_fraction=0.2)
+        refs = run(tmp_path, raw, ctx, tile_pixels=1000)
+        weights.append(ctx.store.get(refs["train"].key).arrays())
+    for key in weights[0]:
+        assert weights[0][key].tobytes() == weights[1][key].tobytes(), key
