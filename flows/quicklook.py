@@ -24,15 +24,47 @@ def _thin(a: np.ndarray) -> np.ndarray:
     return a[::step, ::step]
 
 
+def significant_trend(ds: xr.Dataset, level: float = 0.05) -> tuple[np.ndarray, float] | None:
+    """The trend map with pixels whose trend coefficient has p ≥ ``level`` masked (NaN).
+
+    None unless the output has a ``trend`` and p-values (``solve.uncertainty``).
+    Also returns the fraction of finite-trend pixels that are significant.
+    """
+    if "trend" not in ds or "p_value" not in ds or "coef_name" not in ds.coords:
+        return None
+    names = [str(n) for n in ds["coef_name"].values]
+    column = str(ds["trend"].attrs.get("coefficient", ""))
+    if column not in names:
+        return None
+    trend = np.asarray(ds["trend"].values, dtype=np.float64)
+    p = np.asarray(ds["p_value"].isel(coef=names.index(column)).values, dtype=np.float64)
+    significant = p < level  # NaN p-values (not identifiable) are never significant
+    shown = np.where(significant, trend, np.nan)
+    finite = np.isfinite(trend)
+    fraction = float(significant[finite].mean()) if finite.any() else 0.0
+    return shown, fraction
+
+
 def quicklook_png(output: str | Path) -> bytes:
-    """PNG bytes of two maps of ``output``: ``coefficients[0]`` and ``residual_rms``."""
+    """PNG bytes of maps of ``output``: ``coefficients[0]``, ``residual_rms``, significance.
+
+    The third map, where the output has a trend with p-values, is the trend
+    where it is significant (p < 0.05), blank elsewhere.
+    """
     with xr.open_dataset(output) as ds:
         coef = _thin(np.asarray(ds["coefficients"].isel(coef=0).values, dtype=np.float64))
         rms = _thin(np.asarray(ds["residual_rms"].values, dtype=np.float64))
         labels = ds["coef_name"] if "coef_name" in ds.coords else ds.get("coef")
         name = str(labels.values[0]) if labels is not None else "0"
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.6), dpi=80, constrained_layout=True)
-    for ax, data, title in ((axes[0], coef, f"coefficient {name}"), (axes[1], rms, "residual RMS")):
+        panels = [(coef, f"coefficient {name}"), (rms, "residual RMS")]
+        trend = significant_trend(ds)
+        if trend is not None:
+            shown, fraction = trend
+            panels.append((_thin(shown), f"trend, p < 0.05 ({100 * fraction:.0f}% of pixels)"))
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(4 * len(panels), 3.6), dpi=80, constrained_layout=True
+    )
+    for ax, (data, title) in zip(axes, panels, strict=True):
         im = ax.imshow(data, origin="lower", interpolation="nearest", cmap="viridis")
         ax.set_title(title)
         ax.set_xticks([])

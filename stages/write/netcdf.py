@@ -436,6 +436,7 @@ def _variables(
                 "fn": lambda a: (a[col].astype(np.float64) / scale).astype(a.dtype),
                 "dims": (y, x),
                 "attrs": {
+                    "coefficient": str(design.meta["columns"][col]),
                     "long_name": f"linear trend: coefficient of column "
                     f"{design.meta['columns'][col]!r} per raw obs axis unit "
                     "(the column's coefficient divided by the design's t_scale)",
