@@ -148,13 +148,21 @@ class Dataset:
 
 
 def _usable(
-    config: GradientTrain, coef: np.ndarray, status: np.ndarray, target: np.ndarray
+    config: GradientTrain,
+    coef: np.ndarray,
+    status: np.ndarray,
+    target: np.ndarray,
+    dtype: np.dtype,
 ) -> tuple[np.ndarray, dict[str, int]]:
-    """Which pixels of one tile are training samples, and why the others are not."""
+    """Which pixels of one tile are training samples, and why the others are not.
+
+    Finite means finite in the model's ``dtype``, which the rows are stored in.
+    """
     codes = [STATUS_CODES[s] for s in config.usable_status]
     ok_status = np.isin(status, codes)
-    finite_x = np.isfinite(coef).all(axis=0)
-    finite_y = np.isfinite(target).all(axis=0)
+    with np.errstate(over="ignore"):
+        finite_x = np.isfinite(coef.astype(dtype)).all(axis=0)
+        finite_y = np.isfinite(target.astype(dtype)).all(axis=0)
     use = ok_status & finite_x & finite_y
     counts = {
         "excluded_status": int((~ok_status).sum()),
@@ -165,7 +173,7 @@ def _usable(
 
 
 def _mask(
-    config: GradientTrain, load: Artifact, solve: TiledArtifact
+    config: GradientTrain, load: Artifact, solve: TiledArtifact, dtype: np.dtype
 ) -> tuple[np.ndarray, dict[str, int]]:
     """The usable-pixel mask of the whole grid and the exclusion counts."""
     ny, nx = int(load.meta["ny"]), int(load.meta["nx"])
@@ -173,7 +181,7 @@ def _mask(
     counts: dict[str, int] = {}
     for tile, art in solve.tiles:
         target = read_block(load, "target", tile)
-        use, c = _usable(config, art.array("coefficients"), art.array("status"), target)
+        use, c = _usable(config, art.array("coefficients"), art.array("status"), target, dtype)
         mask[tile.y0 : tile.y1, tile.x0 : tile.x1] = use
         for k, v in c.items():
             counts[k] = counts.get(k, 0) + v
@@ -189,7 +197,7 @@ def dataset(
     budget: int = 256 * 2**20,
 ) -> Dataset:
     """The training dataset, in files under ``folder`` (the caller removes it)."""
-    mask, counts = _mask(config, load, solve)
+    mask, counts = _mask(config, load, solve, dtype)
     n = int(mask.sum())
     n_coef = int(solve.prepared.meta["coef"])
     n_out = int(load.meta["aux"]["target"]["n_out"])
@@ -208,14 +216,17 @@ def dataset(
 
 
 def fetcher(rows: Rows, subset: np.ndarray) -> dpsgd.Fetch:
-    """``fetch(indices)`` over the dataset rows ``subset`` (indices are positions in it)."""
+    """``fetch(indices)`` over the dataset rows ``subset`` (indices are positions in it).
+
+    The rows were checked finite in the model's dtype when the dataset was made.
+    """
     read = rows.reader()
 
     def fetch(indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = read(subset[np.asarray(indices)])
         return torch.from_numpy(x), torch.from_numpy(y)
 
-    return fetch
+    return dpsgd.FiniteFetch(fetch)
 
 
 def _initial(model: ModelConfig) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

@@ -1,0 +1,86 @@
+"""All benchmarks in one command: each script in turn, then one table of every target.
+
+Each benchmark measures its rows side by side in one run and prints verdict lines
+``<figure> = <value> (target <op> <bound>: met|NOT met)``; this runs them one after
+the other (the machine has 2 cores: never two at once), keeps each full output under
+``--out``, and ends with the table of every verdict line, so one command answers
+"where do we stand on every speed and memory target".
+
+Usage: python benchmarks/run.py [solve] [model] [pipeline] [train] [--out FOLDER]
+       (no names: all of them; peers come from the ``bench`` extra:
+       pip install -e '.[bench]')
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import machine
+
+HERE = Path(__file__).resolve().parent
+BENCHMARKS = {
+    "solve": "bench_solve.py",
+    "model": "bench_model.py",
+    "pipeline": "bench_pipeline.py",
+    "train": "bench_train.py",
+}
+VERDICT = re.compile(r"^(?P<figure>.+?)\s*\(target (?P<target>[^:]+):\s*(?P<verdict>.+?)\)\s*$")
+
+
+def verdicts(text: str) -> list[tuple[str, str, str]]:
+    """(figure, target, verdict) of every verdict line in a benchmark's output."""
+    out = []
+    for line in text.splitlines():
+        m = VERDICT.match(line.strip())
+        if m:
+            out.append((m["figure"].strip(), m["target"].strip(), m["verdict"].strip()))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("names", nargs="*", help=f"some of {', '.join(BENCHMARKS)} (default: all)")
+    p.add_argument("--out", default="benchmark-results", help="folder for each full output")
+    args = p.parse_args(argv)
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        p.error(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
+    names = args.names or list(BENCHMARKS)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[tuple[str, str, str, str]] = []
+    failed = []
+    for name in names:
+        t0 = time.perf_counter()
+        print(f"== {name}: python benchmarks/{BENCHMARKS[name]}", flush=True)
+        proc = subprocess.run(
+            [sys.executable, str(HERE / BENCHMARKS[name])],
+            capture_output=True,
+            text=True,
+            cwd=HERE.parent,
+        )
+        text = proc.stdout + proc.stderr
+        (out / f"{name}.txt").write_text(text)
+        print(proc.stdout, flush=True)
+        if proc.returncode != 0:
+            failed.append(name)
+            print(f"   {name} failed (exit {proc.returncode}); see {out / (name + '.txt')}")
+        rows += [(name, *v) for v in verdicts(proc.stdout)]
+        print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"\n## every target, one run · {machine()}")
+    width = max([len(r[1]) for r in rows] + [6])
+    print(f"{'bench':<10}{'figure':<{width + 2}}{'target':<14}verdict")
+    for bench, figure, target, verdict in rows:
+        print(f"{bench:<10}{figure:<{width + 2}}{target:<14}{verdict}")
+    met = sum(r[3] == "met" for r in rows)
+    print(f"{met} of {len(rows)} targets met; full outputs in {out}/")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
