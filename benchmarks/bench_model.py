@@ -50,7 +50,7 @@ from gridsolve.stages.engine.store import Store
 from gridsolve.stages.load.demo import make_cube, write_atomic
 from gridsolve.stages.model import vmapped
 
-from common import machine, table
+from common import machine, print_verdicts, table
 
 
 def timed(fn: Callable[[], Any], repeats: int, setup: Callable[[], None] | None = None) -> float:
@@ -261,9 +261,7 @@ def run(folder: Path, n: int, repeats: int, loop_pixels: int) -> None:
         ("incl. store / BackPACK", best_store / backpack_s, 3.0, "≤"),
         ("loop / compute", loop_s / best, 100.0, "≥"),
     ]
-    for name, value, target, op_ in verdicts:
-        met = value <= target if op_ == "≤" else value >= target
-        print(f"{name} = {value:.2f}× (target {op_} {target:g}×: {'met' if met else 'NOT met'})")
+    print_verdicts(verdicts)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ from gridsolve.stages.model import vmapped
 from gridsolve.stages.train import dpsgd
 from gridsolve.stages.train.stage import Rows, fetcher
 
-from common import machine, table
+from common import machine, print_verdicts, table
 
 BATCH = 4096
 LR = 0.01
@@ -366,9 +366,7 @@ def _speed(n: int, repeats: int, loop_pixels: int, folder: Path) -> None:
         ("gridsolve / Opacus compute only", grid_s / compute_s, 1.5, "≤"),
         ("loop / gridsolve", loop_s / grid_s, 100.0, "≥"),
     ]
-    for name, value, target, op_ in verdicts:
-        met = value <= target if op_ == "≤" else value >= target
-        print(f"{name} = {value:.2f}× (target {op_} {target:g}×: {'met' if met else 'NOT met'})")
+    print_verdicts(verdicts)
 
 
 # ---------------------------------------------------------------- memory

@@ -41,3 +41,10 @@ def table(rows: list[tuple[str, float, str]], reference: float, ref_name: str) -
     for name, sec, note in rows:
         out.append(f"{name:<{width}}{sec:>11.4f}{sec / reference:>16.2f}  {note}")
     return "\n".join(out)
+
+
+def print_verdicts(verdicts: list[tuple[str, float, float, str]]) -> None:
+    """One line per (name, ratio, bound, "≤" or "≥"), in the format benchmarks/run.py reads."""
+    for name, value, target, op_ in verdicts:
+        met = value <= target if op_ == "≤" else value >= target
+        print(f"{name} = {value:.2f}× (target {op_} {target:g}×: {'met' if met else 'NOT met'})")

@@ -231,8 +231,15 @@ def per_sample_grad_norms(
     """L2 norm over all parameters of each sample's loss gradient (B,), at ``params``."""
     buffers = {k: v.detach() for k, v in module.named_buffers()}
     grads, _ = _per_sample(module, buffers)(dict(params), x, y)
-    squares = [g.reshape(g.shape[0], -1).double().pow(2).sum(dim=1) for g in grads.values()]
-    return torch.stack(squares).sum(dim=0).sqrt()
+    return _total_norms(grads)
+
+
+def _total_norms(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Each sample's gradient norm over all parameters together (B,): what clipping bounds."""
+    n = next(iter(grads.values())).shape[0]
+    norms = torch.stack([g.reshape(n, -1).norm(2, dim=-1) for g in grads.values()], dim=1)
+    total: torch.Tensor = norms.norm(2, dim=1)
+    return total
 
 
 def dp_step(
@@ -263,8 +270,7 @@ def dp_step(
         buffers = {k: v.detach() for k, v in module.named_buffers()}
         detached = {k: v.detach() for k, v in leaves.items()}
         grads, losses = _per_sample(module, buffers)(detached, x, y)
-        norms = torch.stack([g.reshape(n, -1).norm(2, dim=-1) for g in grads.values()], dim=1)
-        norms = norms.norm(2, dim=1)
+        norms = _total_norms(grads)
         if clip_norm is None:
             summed = {k: g.sum(dim=0) for k, g in grads.items()}
         else:

@@ -49,6 +49,8 @@ from gridsolve.stages.model import vmapped
 from gridsolve.stages.train import dpsgd
 
 VERSION = "1"
+#: Bytes of dataset rows read into memory at most; larger datasets are streamed.
+ROW_BUDGET = 256 * 2**20
 
 
 def _stage(config: GradientTrain) -> str:
@@ -95,7 +97,7 @@ class Rows:
 
     x_path: Path
     y_path: Path
-    budget: int = 256 * 2**20
+    budget: int = ROW_BUDGET
 
     @classmethod
     def create(
@@ -105,7 +107,7 @@ class Rows:
         n_coef: int,
         n_out: int,
         dtype: np.dtype,
-        budget: int = 256 * 2**20,
+        budget: int = ROW_BUDGET,
     ) -> Rows:
         """Two new files of ``n`` rows, under ``folder``."""
         rows = cls(folder / "X.npy", folder / "Y.npy", budget)
@@ -194,7 +196,7 @@ def dataset(
     solve: TiledArtifact,
     folder: Path,
     dtype: np.dtype,
-    budget: int = 256 * 2**20,
+    budget: int = ROW_BUDGET,
 ) -> Dataset:
     """The training dataset, in files under ``folder`` (the caller removes it)."""
     mask, counts = _mask(config, load, solve, dtype)
