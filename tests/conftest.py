@@ -30,6 +30,10 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
 os.environ["PYTHONUNBUFFERED"] = "1"
+# A loaded 2-core machine can keep the SQLite-backed server answering 503 (database
+# busy) for a minute; clients here and in the CLI/worker children retry longer.
+os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "8")
+os.environ.setdefault("PREFECT_SERVER_LOG_RETRYABLE_ERRORS", "true")
 
 import gridsolve.stages  # noqa: E402, F401  (registers the built-in implementations)
 
@@ -84,6 +88,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "prefect_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.server)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.failed and "prefect_server" in getattr(item, "fixturenames", ()):
+        # What the server said when a test that used it failed (e.g. why it answered 503).
+        log = _PREFECT_HOME / "server.log"
+        if log.exists():
+            report.sections.append(
+                ("prefect server log (end)", log.read_text(errors="replace")[-6000:])
+            )
+    return report
 
 
 @pytest.fixture
