@@ -1,4 +1,7 @@
-"""A quick-look picture of an output file: the first coefficient and the residual RMS maps."""
+"""A quick-look picture of an output file: the first coefficient and the residual RMS maps.
+
+A cube with more batch dims than y and x is shown at their first index.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +25,20 @@ MAX_SIDE = 300
 def _thin(a: np.ndarray) -> np.ndarray:
     step = max(1, int(np.ceil(max(a.shape) / MAX_SIDE)))
     return a[::step, ::step]
+
+
+def first_plane(ds: xr.Dataset) -> tuple[xr.Dataset, str]:
+    """``ds`` at the first index of every batch dim besides the map's two, and which that is.
+
+    The maps show the last two dims of ``residual_rms`` (y, x); a cube with more
+    batch dims (member, level, …) is shown at their first index, named in the
+    titles, e.g. ``member=1, level=500``.
+    """
+    batch = [str(d) for d in ds["residual_rms"].dims[:-2]]
+    if not batch:
+        return ds, ""
+    labels = [f"{d}={ds[d].values[0] if d in ds.coords else 0}" for d in batch]
+    return ds.isel({d: 0 for d in batch}), ", ".join(labels)
 
 
 def significant_trend(ds: xr.Dataset, level: float = 0.05) -> tuple[np.ndarray, float] | None:
@@ -51,7 +68,8 @@ def quicklook_png(output: str | Path) -> bytes:
     The third map, where the output has a trend with p-values, is the trend
     where it is significant (p < 0.05), blank elsewhere.
     """
-    with xr.open_dataset(output) as ds:
+    with xr.open_dataset(output) as full:
+        ds, where = first_plane(full)
         coef = _thin(np.asarray(ds["coefficients"].isel(coef=0).values, dtype=np.float64))
         rms = _thin(np.asarray(ds["residual_rms"].values, dtype=np.float64))
         labels = ds["coef_name"] if "coef_name" in ds.coords else ds.get("coef")
@@ -66,7 +84,7 @@ def quicklook_png(output: str | Path) -> bytes:
     )
     for ax, (data, title) in zip(axes, panels, strict=True):
         im = ax.imshow(data, origin="lower", interpolation="nearest", cmap="viridis")
-        ax.set_title(title)
+        ax.set_title(f"{title}\n{where}" if where else title)
         ax.set_xticks([])
         ax.set_yticks([])
         fig.colorbar(im, ax=ax, shrink=0.8)

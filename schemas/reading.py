@@ -14,9 +14,27 @@ from gridsolve.schemas.errors import ConfigError
 from gridsolve.schemas.pipeline import DEFAULT_IMPL, STAGE_KINDS, PipelineConfig, build_config
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML without implicit dates: ``2020-01-03`` stays the text it is.
+
+    Config values that are dates (``load.select.time``) are labels matched as
+    text, and JSON (Prefect parameters, cache keys) has no date type.
+    """
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader: builds plain data only
+
+
 def _parse_value(text: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return _yaml(text)
     except yaml.YAMLError:
         return text
 
@@ -80,7 +98,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             fix="give the path of a YAML file; `gridsolve demo` writes an example",
         )
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = _yaml(p.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(
             f"config file {p} is not valid YAML: {exc}", fix="fix the YAML syntax"

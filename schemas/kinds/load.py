@@ -2,13 +2,44 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+import datetime as dt
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from gridsolve.schemas import catalog
 from gridsolve.schemas.base import StageConfig, input_file_field
 from gridsolve.schemas.templating import check_template
+
+
+def _date_as_text(value: Any) -> Any:
+    # A date from Python (or a YAML loader that makes dates) is matched as its ISO text.
+    return value.isoformat() if isinstance(value, dt.date) else value
+
+
+#: A coordinate label: a number, or text (dates as ``2020-01-03``).
+Label = Annotated[int | float | str, BeforeValidator(_date_as_text)]
+
+
+class LabelRange(BaseModel):
+    """An inclusive range of coordinate labels (like ``slice(start, stop)`` in ``.sel``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    start: Label | None = Field(None, description="First label kept; open when omitted.")
+    stop: Label | None = Field(None, description="Last label kept (inclusive); open when omitted.")
+
+
+class IndexRange(BaseModel):
+    """Positions ``start:stop:step`` (stop excluded, like ``slice`` in ``.isel``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    start: int | None = Field(None, description="First position kept; 0 when omitted.")
+    stop: int | None = Field(
+        None, description="Position after the last one kept; the end when omitted."
+    )
+    step: int | None = Field(None, ge=1, description="Keep every step-th position.")
 
 
 class LoadConfig(StageConfig):
@@ -18,7 +49,11 @@ class LoadConfig(StageConfig):
 
 
 class NetCDFLoad(LoadConfig):
-    """Read a cube ``(obs, y, x)`` and optional helper variables from a NetCDF file."""
+    """Read a cube ``(obs, …, y, x)`` and optional helper variables from a NetCDF file.
+
+    Every dim other than obs, y and x (member, level, …) is a batch dim: each
+    of its series is fitted like a pixel's, and the outputs keep the dim.
+    """
 
     model_config = ConfigDict(title="Load a NetCDF file")
 
@@ -47,7 +82,22 @@ class NetCDFLoad(LoadConfig):
         "e.g. inverse variances. Zero excludes an observation.",
     )
     target: str | None = Field(
-        None, description="Variable with dims (output, y, x) or (y, x): the model's MSE target."
+        None,
+        description="Variable with dims (output, y, x) or (y, x), plus any of the cube's other "
+        "dims: the model's MSE target.",
+    )
+    isel: dict[str, int | list[int] | IndexRange] = Field(
+        default_factory=dict,
+        description="Positional sub-cube, like xarray's .isel: {dim: position | [positions] | "
+        "{start, stop, step}}, applied before select and before anything is hashed. "
+        "One position drops the dim; a one-element list keeps it.",
+    )
+    select: dict[str, Label | list[Label] | LabelRange] = Field(
+        default_factory=dict,
+        description="Label-based sub-cube, like xarray's .sel: {dim: label | [labels] | "
+        "{start, stop}} (stop inclusive; dates as text, e.g. '2020-01-01'), applied after "
+        "isel and before anything is hashed. One label drops the dim; a one-element list "
+        "keeps it.",
     )
 
     @field_validator("path")

@@ -106,7 +106,7 @@ class Plan:
         source = grid_steps[0]
         grid_meta = meta_of(refs[source.kind])
         assert source.decl.grid is not None
-        ny, nx = source.decl.grid(grid_meta)
+        ny, nx, *plane = source.decl.grid(grid_meta)
         align = (1, 1)
         for s in self.steps:
             if s.decl.alignment is not None:
@@ -121,7 +121,7 @@ class Plan:
                 ]
             )
             tile_pixels = max(1, tile_share(memory_budget) // per_px)
-        return plan_tiles(ny, nx, tile_pixels, *align)
+        return plan_tiles(ny, nx, tile_pixels, *align, plane_rows=plane[0] if plane else None)
 
 
 def meta_of(ref: Ref) -> dict[str, Any]:

@@ -87,7 +87,9 @@ class StageDecl:
     summary: str = ""
     locate: Callable[..., Mapping[str, Any]] | None = None
     records_sources: bool = False
-    grid: Callable[[Mapping[str, Any]], tuple[int, int]] | None = None
+    #: (rows, columns) of the grid tiles cover, or (rows, columns, rows per plane) when
+    #: batch dims are folded into the rows (no tile then spans two planes)
+    grid: Callable[[Mapping[str, Any]], tuple[int, int] | tuple[int, int, int]] | None = None
     pixel_bytes: Callable[[Mapping[str, Any]], int] | None = None
     alignment: Callable[[Any, Mapping[str, Any]], tuple[int, int]] | None = None
     counts: str | None = None

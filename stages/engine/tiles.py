@@ -11,8 +11,22 @@ from __future__ import annotations
 from gridsolve.schemas.artifacts import Tile
 
 
-def plan_tiles(ny: int, nx: int, max_pixels: int, align_y: int, align_x: int) -> list[Tile]:
-    """Tiles covering ``ny × nx`` with at most ``max_pixels`` each where alignment allows."""
+def plan_tiles(
+    ny: int, nx: int, max_pixels: int, align_y: int, align_x: int, plane_rows: int | None = None
+) -> list[Tile]:
+    """Tiles covering ``ny × nx`` with at most ``max_pixels`` each where alignment allows.
+
+    With ``plane_rows``, the rows are planes of that many rows stacked (a cube's
+    batch dims folded into y), and no tile spans two planes.
+    """
+    if plane_rows is not None and plane_rows < ny:
+        stacked: list[Tile] = []
+        for p0 in range(0, ny, plane_rows):
+            for t in plan_tiles(min(plane_rows, ny - p0), nx, max_pixels, align_y, align_x):
+                stacked.append(
+                    Tile(index=len(stacked), y0=p0 + t.y0, y1=p0 + t.y1, x0=t.x0, x1=t.x1)
+                )
+        return stacked
     align_y = max(1, min(align_y, ny))
     align_x = max(1, min(align_x, nx))
     max_pixels = max(1, max_pixels)

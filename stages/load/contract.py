@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+from pydantic import Field
+
+from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.contracts import ArraySpec
+from gridsolve.schemas.errors import StageError
 from gridsolve.stages.engine.contract import KindContract, Meta, PartContract, add
 
 
@@ -19,6 +25,10 @@ class LoadMeta(Meta):
     n_obs: int
     ny: int
     nx: int
+    #: batch dims besides y and x (member, level, …) and their sizes, folded into the
+    #: grid's rows ahead of y (see :func:`grid_shape`)
+    lead_dims: list[str] = Field(default_factory=list)
+    lead_shape: list[int] = Field(default_factory=list)
     dtype: str
     aux: dict[str, Any]
     content_hash: str
@@ -41,3 +51,41 @@ CONTRACT = add(
         summary="the cube's description, coordinates and content hash",
     )
 )
+
+
+def grid_shape(meta: Mapping[str, Any]) -> tuple[int, int]:
+    """(rows, columns) of the grid tiled stages see: the batch dims and y folded into rows."""
+    planes = int(np.prod(meta.get("lead_shape") or [], dtype=np.int64))
+    return planes * int(meta["ny"]), int(meta["nx"])
+
+
+def pixel_name(meta: Mapping[str, Any], row: int, col: int) -> str:
+    """The cube's own coordinates of grid position (row, col), e.g. ``member=1, lat=3, lon=4``."""
+    plane, y = divmod(row, int(meta["ny"]))
+    lead = list(meta.get("lead_dims") or [])
+    index = np.unravel_index(plane, tuple(meta.get("lead_shape") or ())) if lead else ()
+    parts = [f"{d}={int(i)}" for d, i in zip(lead, index, strict=True)]
+    return ", ".join([*parts, f"{meta['y_dim']}={y}", f"{meta['x_dim']}={col}"])
+
+
+def plane_window(meta: Mapping[str, Any], tile: Tile) -> dict[str, Any]:
+    """The ``.isel`` window of ``tile`` in the cube's own dims.
+
+    The grid's rows are the cube's batch dims (member, level, …) and y folded
+    together, in C order: row ``r`` is y ``r % ny`` of plane ``r // ny``. A tile
+    never spans two planes (the load implementation's ``grid``), so its window is one hyperslab.
+    """
+    ny = int(meta["ny"])
+    plane, r0 = divmod(tile.y0, ny)
+    if r0 + (tile.y1 - tile.y0) > ny:
+        raise StageError(
+            f"tile rows {tile.y0}:{tile.y1} span two planes of {ny} rows",
+            stage="load",
+            fix="plan tiles with the load stage's grid (its plane rows)",
+        )
+    lead = list(meta.get("lead_dims") or [])
+    index = np.unravel_index(plane, tuple(meta.get("lead_shape") or ())) if lead else ()
+    window: dict[str, Any] = {d: int(i) for d, i in zip(lead, index, strict=True)}
+    window[meta["y_dim"]] = slice(r0, r0 + tile.y1 - tile.y0)
+    window[meta["x_dim"]] = slice(tile.x0, tile.x1)
+    return window

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import os
@@ -35,12 +36,13 @@ from xarray import SerializationWarning
 from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.contracts import numeric_kind
 from gridsolve.schemas.errors import ContractError, GridsolveError, InputError, StageError
-from gridsolve.schemas.kinds.load import DemoLoad, NetCDFLoad
+from gridsolve.schemas.kinds.load import DemoLoad, IndexRange, LabelRange, NetCDFLoad
 from gridsolve.schemas.pipeline import suggest
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.hashing import ArrayHasher, canonical_json, file_identity, hash_text
 from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
+from gridsolve.stages.load.contract import plane_window
 from gridsolve.stages.load.demo import demo_file
 from gridsolve.stages.load.patterns import GridPatterns
 
@@ -48,6 +50,7 @@ STAGE = "load"
 VERSION = "1"
 
 Y_NAMES = ("y", "lat", "latitude", "row", "rows", "northing", "south_north", "nlat", "j")
+OBS_NAMES = ("time", "t", "obs", "date", "band", "wavelength", "frequency", "sample", "step")
 X_NAMES = ("x", "lon", "longitude", "col", "cols", "column", "easting", "west_east", "nlon", "i")
 _MAGIC = (b"CDF\x01", b"CDF\x02", b"CDF\x05", b"\x89HDF\r\n\x1a\n")
 _BLOCK_BYTES = 64 * 2**20
@@ -102,7 +105,133 @@ def open_netcdf(path: str | Path, stage: str = STAGE) -> xr.Dataset:
         ) from exc
 
 
-def _read(da: xr.DataArray, what: str, path: str) -> np.ndarray:
+# ---------------------------------------------------------------- selection
+@dataclass(frozen=True)
+class Source:
+    """A NetCDF file and the positions of each dim the cube uses (load.isel/select resolved).
+
+    Every read of the file goes through :meth:`apply`, so the scan, the hash and
+    the tile reads all see the same sub-cube. A dim with one position (an int)
+    is dropped; a tuple of positions keeps the dim.
+    """
+
+    path: str
+    positions: tuple[tuple[str, int | tuple[int, ...]], ...] = ()
+
+    def __str__(self) -> str:
+        return self.path
+
+    def indexers(self) -> dict[str, Any]:
+        """The positions as ``.isel`` indexers (runs of equal steps as slices)."""
+        return {d: p if isinstance(p, int) else _as_slice(p) for d, p in self.positions}
+
+    def apply(self, ds: xr.Dataset) -> xr.Dataset:
+        """``ds`` cut to the selected sub-cube (lazily)."""
+        return ds.isel(self.indexers()) if self.positions else ds
+
+
+def _as_slice(positions: tuple[int, ...]) -> slice | list[int]:
+    steps = {b - a for a, b in itertools.pairwise(positions)}
+    if len(positions) == 1:
+        return slice(positions[0], positions[0] + 1)
+    if len(steps) == 1 and (step := steps.pop()) > 0:
+        return slice(positions[0], positions[-1] + 1, step)
+    return list(positions)
+
+
+def _spec(value: Any) -> Any:
+    """A config selection value as ``.isel``/``.sel`` takes it."""
+    if isinstance(value, IndexRange):
+        return slice(value.start, value.stop, value.step)
+    if isinstance(value, LabelRange):
+        return slice(value.start, value.stop)
+    return value
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, IndexRange | LabelRange):
+        return json.dumps(value.model_dump(exclude_none=True))
+    return json.dumps(value)
+
+
+def resolve_selection(ds: xr.Dataset, var: str, config: NetCDFLoad) -> Source:
+    """The positions load.isel, then load.select, pick in ``var``'s dims; ContractError if none.
+
+    Labels are matched on the decoded coordinates (dates as text work, like
+    xarray's ``.sel``); the result is positions, so raw and decoded reads agree.
+    """
+    path = config.path
+    if not (config.isel or config.select):
+        return Source(path)
+    if var not in ds.variables:
+        return Source(path)  # the cube checks say what is missing
+    dims = [str(d) for d in ds[var].dims]
+    problems = [
+        f"load.{field}: {dim!r} is not a dim of {var!r} (its dims are {dims}){suggest(dim, dims)}"
+        for field, sel in (("isel", config.isel), ("select", config.select))
+        for dim in sel
+        if dim not in dims
+    ]
+    if problems:
+        raise ContractError(
+            "the selection names dims the cube does not have",
+            stage=STAGE,
+            violations=problems,
+            fix="name the cube's own dims in load.isel / load.select",
+        )
+    positions: list[tuple[str, int | tuple[int, ...]]] = []
+    for dim in dict.fromkeys([*config.isel, *config.select]):
+        n = int(ds.sizes[dim])
+        index = xr.DataArray(np.arange(n), dims=dim)
+        if dim in ds.indexes:
+            index = index.assign_coords({dim: ds.indexes[dim]})
+        try:
+            if dim in config.isel:
+                index = index.isel({dim: _spec(config.isel[dim])})
+            if dim in config.select:
+                if dim not in ds.indexes:
+                    raise KeyError(f"{dim!r} has no coordinate to select labels from")
+                index = index.sel({dim: _spec(config.select[dim])})
+        except (KeyError, IndexError, ValueError, TypeError) as exc:
+            coord = ds.indexes.get(dim)
+            span = f"{coord[0]} … {coord[-1]}" if coord is not None and len(coord) else "none"
+            asked = {"isel": config.isel.get(dim), "select": config.select.get(dim)}
+            wanted = ", ".join(
+                f"load.{k}.{dim}={_shown(v)}" for k, v in asked.items() if v is not None
+            )
+            raise ContractError(
+                f"the selection along {dim!r} matches nothing in the file",
+                stage=STAGE,
+                found=f"{wanted}; {dim!r} has {n} values ({span})",
+                fix=f"give load.isel.{dim} positions below {n} or load.select.{dim} labels "
+                "that the coordinate holds",
+            ) from exc
+        values = np.asarray(index.values)
+        if values.ndim == 0:
+            positions.append((dim, int(values)))
+        elif values.size == 0:
+            raise ContractError(
+                f"the selection along {dim!r} keeps no values",
+                stage=STAGE,
+                fix=f"widen load.isel.{dim} / load.select.{dim}",
+            )
+        else:
+            positions.append((dim, tuple(int(v) for v in values)))
+    dropped = [d for d, p in positions if isinstance(p, int)]
+    obs, y, x, _ = infer_dims(tuple(dims), config.obs_dim, config.y_dim, config.x_dim)
+    lost = [f"{role} dim {d!r}" for role, d in (("obs", obs), ("y", y), ("x", x)) if d in dropped]
+    if lost:
+        raise ContractError(
+            f"the selection keeps a single value of the {' and '.join(lost)}, so it drops "
+            "a dim the fit needs",
+            stage=STAGE,
+            fix="select a range or a list (e.g. [label]) along it, or name the dims with "
+            "load.obs_dim / load.y_dim / load.x_dim",
+        )
+    return Source(path, tuple(positions))
+
+
+def _read(da: xr.DataArray, what: str, path: Source) -> np.ndarray:
     try:
         with _OPEN_LOCK:
             return np.asarray(da.values)
@@ -169,23 +298,24 @@ def valid_bounds(attrs: Mapping[str, Any], stored: np.dtype) -> tuple[Any, Any] 
     return lo, hi
 
 
-def _open_raw(path: str) -> xr.Dataset:
+def _open_raw(path: Source) -> xr.Dataset:
     with _OPEN_LOCK:
-        return xr.open_dataset(
-            path,
+        ds = xr.open_dataset(
+            path.path,
             engine="netcdf4",
             cache=False,
             mask_and_scale=False,
             decode_times=False,
             decode_timedelta=False,
         )
+    return path.apply(ds)
 
 
 def _values(
     da: xr.DataArray,
     select: Callable[[xr.DataArray], xr.DataArray],
     what: str,
-    path: str,
+    path: Source,
 ) -> np.ndarray:
     """Decoded values of ``select(da)``, stored values outside the CF valid range as NaN.
 
@@ -230,22 +360,25 @@ def _pick(names: tuple[str, ...], dims: tuple[str, ...]) -> str | None:
 def infer_dims(
     dims: tuple[str, ...], obs: str | None, y: str | None, x: str | None
 ) -> tuple[str, str, str, list[str]]:
-    """(obs, y, x) dim names from config or from conventional names; violations if impossible."""
+    """(obs, y, x) dim names from config or from conventional names; violations if impossible.
+
+    The variable may have more dims (member, level, …): they are batch dims.
+    """
     problems = [
         f"{field} {name!r} is not a dim of the variable (its dims are {list(dims)})"
         f"{suggest(name, dims)}"
         for field, name in (("load.obs_dim", obs), ("load.y_dim", y), ("load.x_dim", x))
         if name is not None and name not in dims
     ]
-    if problems or len(dims) != 3:
+    if problems or len(dims) < 3:
         return "", "", "", problems
     y = y or _pick(Y_NAMES, tuple(d for d in dims if d not in (obs, x)))
     x = x or _pick(X_NAMES, tuple(d for d in dims if d not in (obs, y)))
-    if y is None and x is None and obs is None:
+    if y is None and x is None and obs is None and len(dims) == 3:
         obs, y, x = dims  # conventional (obs, y, x) order
-    rest = [d for d in dims if d not in (y, x)]
-    if obs is None and y is not None and x is not None and len(rest) == 1:
-        obs = rest[0]
+    rest = tuple(d for d in dims if d not in (y, x))
+    if obs is None and y is not None and x is not None:
+        obs = rest[0] if len(rest) == 1 else _pick(OBS_NAMES, rest)
     if None in (obs, y, x) or len({obs, y, x}) != 3:
         problems.append(
             f"cannot tell which of {list(dims)} are obs, y and x "
@@ -277,7 +410,7 @@ def is_cftime(values: np.ndarray) -> bool:
     )
 
 
-def _stored_time(path: str, name: str, what: str) -> tuple[np.ndarray, dict[str, str]]:
+def _stored_time(path: Source, name: str, what: str) -> tuple[np.ndarray, dict[str, str]]:
     """A time variable's stored numbers and its ``units``/``calendar``, as in the file."""
     raw_ds = _open_raw(path)
     try:
@@ -291,7 +424,7 @@ def _stored_time(path: str, name: str, what: str) -> tuple[np.ndarray, dict[str,
 
 
 def _coord(
-    ds: xr.Dataset, da: xr.DataArray, dim: str, path: str
+    ds: xr.Dataset, da: xr.DataArray, dim: str, path: Source
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """A dim's coordinate values and kept attributes.
 
@@ -316,7 +449,7 @@ def _coord(
 
 
 def _coord_cf(
-    ds: xr.Dataset, da: xr.DataArray, dim: str, values: np.ndarray, path: str
+    ds: xr.Dataset, da: xr.DataArray, dim: str, values: np.ndarray, path: Source
 ) -> tuple[dict[str, Any], np.ndarray | None]:
     """How the input writes ``dim``'s coordinate (attrs, time encoding, bounds), and its bounds.
 
@@ -381,7 +514,7 @@ def _jsonable(v: Any) -> Any:
 def _stream(
     da: xr.DataArray,
     hasher: ArrayHasher,
-    path: str,
+    path: Source,
     what: str,
     patterns: GridPatterns | None = None,
 ) -> dict[str, Any]:
@@ -449,7 +582,9 @@ def _scan_cached(config_json: str, path: str, ident_json: str) -> Scan:
     config = NetCDFLoad.model_validate({**json.loads(config_json), "path": path})
     ds = open_netcdf(path)
     try:
-        scan = _scan(config, ds, path)
+        var = _cube_name(config, ds)  # on the whole file: the selection may drop dims
+        src = resolve_selection(ds, var, config)
+        scan = _scan(config, src.apply(ds), src, var)
     finally:
         ds.close()
     return dataclasses.replace(scan, identity=json.loads(ident_json))
@@ -465,11 +600,13 @@ class _Cube:
     obs_dim: str
     y_dim: str
     x_dim: str
+    #: the batch dims other than y and x (member, level, …), in the variable's order
+    lead: tuple[str, ...] = ()
 
 
-def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
+def _scan(config: NetCDFLoad, ds: xr.Dataset, path: Source, var: str) -> Scan:
     """The checked description and content digest of the variables ``config`` selects in ``ds``."""
-    cube = _cube(config, ds)
+    cube = _cube(config, ds, var)
     aux = _aux_info(config, ds, cube)
     digests, stats, patterns = _hash_variables(ds, cube, aux, path)
     arrays, coord_attrs, coord_cf, coord_digests = _read_coords(ds, cube, path)
@@ -492,6 +629,7 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
             ds[config.weights], lambda v: v, f"variable {config.weights!r}", path
         ).astype(np.float64)
     meta = _meta(cube, coord_attrs, coord_cf, history, stats["cube"], aux, design_columns)
+    meta["selection"] = [[d, p if isinstance(p, int) else list(p)] for d, p in path.positions]
     meta["digests"] = digests
     digest = hash_text(canonical_json(digests))
     meta["content_hash"] = digest
@@ -499,19 +637,19 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: str) -> Scan:
 
 
 def _cube_name(config: NetCDFLoad, ds: xr.Dataset) -> str:
-    """The cube's variable name: load.variable, else the file's one numeric 3-D variable."""
+    """The cube's variable name: load.variable, else the file's one numeric variable of ≥ 3 dims."""
     if config.variable is not None:
         return config.variable
     names = [str(n) for n in ds.data_vars]
-    cubes = [n for n in names if ds[n].ndim == 3 and numeric_kind(ds[n].dtype)]
+    cubes = [n for n in names if ds[n].ndim >= 3 and numeric_kind(ds[n].dtype)]
     if len(cubes) != 1 and len(names) == 1:
         cubes = names  # the only variable: its own checks say what is wrong with it
     if len(cubes) != 1:
         raise ContractError(
             "cannot tell which variable is the cube",
             stage=STAGE,
-            expected="exactly one numeric 3-D data variable, or load.variable set",
-            found=f"3-D numeric variables {cubes}; all variables {names}",
+            expected="exactly one numeric data variable with ≥ 3 dims, or load.variable set",
+            found=f"numeric variables with ≥ 3 dims {cubes}; all variables {names}",
             fix="set load.variable to the cube's name",
         )
     return cubes[0]
@@ -540,17 +678,18 @@ def _check_names(config: NetCDFLoad, ds: xr.Dataset, var: str) -> None:
         )
 
 
-def _cube(config: NetCDFLoad, ds: xr.Dataset) -> _Cube:
-    """The cube and its (obs, y, x) dims; ContractError if it breaks the cube contract."""
-    var = _cube_name(config, ds)
+def _cube(config: NetCDFLoad, ds: xr.Dataset, var: str) -> _Cube:
+    """Cube ``var`` and its (obs, y, x) dims; ContractError if it breaks the cube contract."""
     _check_names(config, ds, var)
     da = ds[var]
-    if da.ndim != 3:
+    if da.ndim < 3:
         raise ContractError(
-            f"variable {var!r} must have 3 dims (obs, y, x)",
+            f"variable {var!r} must have at least 3 dims (obs, y, x)",
             stage=STAGE,
-            found=f"{da.ndim} dims {list(da.dims)} with shape {da.shape}",
-            fix="select a 3-D variable, or reduce/expand the data to (obs, y, x) first",
+            found=f"{da.ndim} dims {list(da.dims)} with shape {da.shape}"
+            + (" after load.isel / load.select" if config.isel or config.select else ""),
+            fix="select a variable with dims (obs, …, y, x); a one-element list in "
+            "load.select / load.isel keeps a dim",
         )
     dims = tuple(str(d) for d in da.dims)
     obs_dim, y_dim, x_dim, problems = infer_dims(dims, config.obs_dim, config.y_dim, config.x_dim)
@@ -564,10 +703,11 @@ def _cube(config: NetCDFLoad, ds: xr.Dataset) -> _Cube:
             f"variable {var!r} does not fit the cube contract",
             stage=STAGE,
             violations=problems,
-            expected="a numeric variable with dims (obs, y, x), each of size ≥ 1",
+            expected="a numeric variable with dims (obs, …, y, x), each of size ≥ 1",
             fix="set load.variable / load.obs_dim / load.y_dim / load.x_dim",
         )
-    return _Cube(var, da, dims, obs_dim, y_dim, x_dim)
+    lead = tuple(d for d in dims if d not in (obs_dim, y_dim, x_dim))
+    return _Cube(var, da, dims, obs_dim, y_dim, x_dim, lead)
 
 
 # ---------------------------------------------------------------- helper variables
@@ -593,14 +733,14 @@ def _design_info(d: xr.DataArray, name: str, cube: _Cube) -> tuple[dict[str, Any
 
 def _weights_info(w: xr.DataArray, name: str, cube: _Cube) -> tuple[dict[str, Any], list[str]]:
     """The weights' aux entry (shared: one weight per observation), and how they misfit."""
-    obs_dim, y_dim, x_dim, da = cube.obs_dim, cube.y_dim, cube.x_dim, cube.da
+    obs_dim, da = cube.obs_dim, cube.da
     problems: list[str] = []
     wd = tuple(str(x) for x in w.dims)
     shared = wd == (obs_dim,)
-    if not shared and not (set(wd) == {obs_dim, y_dim, x_dim} and w.ndim == 3):
+    if not shared and set(wd) != set(cube.dims):
         problems.append(
-            f"weights {name!r}: expected dims ({obs_dim},) or "
-            f"({obs_dim}, {y_dim}, {x_dim}), found {list(wd)}"
+            f"weights {name!r}: expected dims ({obs_dim},) or the cube's "
+            f"({', '.join(cube.dims)}), found {list(wd)}"
         )
     for dname in wd:
         if dname in da.sizes and w.sizes[dname] != da.sizes[dname]:
@@ -612,23 +752,28 @@ def _weights_info(w: xr.DataArray, name: str, cube: _Cube) -> tuple[dict[str, An
 
 
 def _target_info(t: xr.DataArray, name: str, cube: _Cube) -> tuple[dict[str, Any], list[str]]:
-    """The target's aux entry (its output dim and count), and how its dims misfit."""
+    """The target's aux entry (its output dim and count), and how its dims misfit.
+
+    Besides y and x the target may have any of the cube's batch dims (a dim it
+    lacks is shared along it) and one output dim of its own.
+    """
     y_dim, x_dim, da = cube.y_dim, cube.x_dim, cube.da
     problems: list[str] = []
     td = tuple(str(x) for x in t.dims)
-    if not ({y_dim, x_dim} <= set(td) and t.ndim in (2, 3)):
+    out_dims = [d for d in td if d not in (y_dim, x_dim, *cube.lead)]
+    if not {y_dim, x_dim} <= set(td) or len(out_dims) > 1 or cube.obs_dim in td:
         problems.append(
             f"target {name!r}: expected dims ({y_dim}, {x_dim}) or "
-            f"(output, {y_dim}, {x_dim}), found {list(td)}"
+            f"(output, {y_dim}, {x_dim}), optionally with the cube's "
+            f"{list(cube.lead) or 'batch dims'}, found {list(td)}"
         )
     else:
-        for dname in (y_dim, x_dim):
-            if t.sizes[dname] != da.sizes[dname]:
+        for dname in (y_dim, x_dim, *cube.lead):
+            if dname in t.sizes and t.sizes[dname] != da.sizes[dname]:
                 problems.append(
                     f"target {name!r}: dim {dname!r} has size {t.sizes[dname]}, "
                     f"the cube has {da.sizes[dname]}"
                 )
-    out_dims = [d for d in td if d not in (y_dim, x_dim)]
     info = {
         "name": name,
         "dims": list(td),
@@ -667,7 +812,7 @@ def _aux_info(config: NetCDFLoad, ds: xr.Dataset, cube: _Cube) -> dict[str, dict
 
 # ---------------------------------------------------------------- content
 def _hash_variable(
-    v: xr.DataArray, role: str, name: str, path: str, patterns: GridPatterns | None
+    v: xr.DataArray, role: str, name: str, path: Source, patterns: GridPatterns | None
 ) -> tuple[str, dict[str, Any]]:
     """The content digest of one selected variable and its value statistics (:func:`_stream`)."""
     h = ArrayHasher()
@@ -686,7 +831,7 @@ def _hash_variable(
 
 
 def _hash_variables(
-    ds: xr.Dataset, cube: _Cube, aux: Mapping[str, Mapping[str, Any]], path: str
+    ds: xr.Dataset, cube: _Cube, aux: Mapping[str, Mapping[str, Any]], path: Source
 ) -> tuple[dict[str, str], dict[str, dict[str, Any]], GridPatterns]:
     """Digest and value statistics per role (cube, then helpers), and the cube's gap patterns."""
     da = cube.da
@@ -721,16 +866,21 @@ def _coord_digest(
 
 
 def _read_coords(
-    ds: xr.Dataset, cube: _Cube, path: str
+    ds: xr.Dataset, cube: _Cube, path: Source
 ) -> tuple[
     dict[str, np.ndarray], dict[str, dict[str, Any]], dict[str, dict[str, Any]], dict[str, str]
 ]:
-    """The obs, y and x coords (and ``<role>_bounds``), their kept attrs, CF info and digests."""
+    """The obs, y, x and batch coords (and ``<role>_bounds``), kept attrs, CF info and digests.
+
+    A batch dim's role is ``lead:<dim>``.
+    """
     arrays: dict[str, np.ndarray] = {}
     coord_attrs: dict[str, dict[str, Any]] = {}
     coord_cf: dict[str, dict[str, Any]] = {}
     digests: dict[str, str] = {}
-    for role, dname in (("obs", cube.obs_dim), ("y", cube.y_dim), ("x", cube.x_dim)):
+    roles = [("obs", cube.obs_dim), ("y", cube.y_dim), ("x", cube.x_dim)]
+    roles += [(f"lead:{d}", d) for d in cube.lead]
+    for role, dname in roles:
         arrays[role], coord_attrs[role] = _coord(ds, cube.da, dname, path)
         coord_cf[role], bounds = _coord_cf(ds, cube.da, dname, arrays[role], path)
         if bounds is not None:
@@ -833,7 +983,7 @@ def _check_values(
 
 # ---------------------------------------------------------------- small parts
 def _read_design(
-    ds: xr.Dataset, info: dict[str, Any], obs_dim: str, path: str
+    ds: xr.Dataset, info: dict[str, Any], obs_dim: str, path: Source
 ) -> tuple[np.ndarray, list[str] | None]:
     """The design matrix as float64 (obs, coef) and its column labels (None if it has none).
 
@@ -873,6 +1023,8 @@ def _meta(
         "n_obs": int(da.sizes[cube.obs_dim]),
         "ny": int(da.sizes[cube.y_dim]),
         "nx": int(da.sizes[cube.x_dim]),
+        "lead_dims": list(cube.lead),
+        "lead_shape": [int(da.sizes[d]) for d in cube.lead],
         "dtype": da.dtype.str,
         "attrs": {k: _jsonable(v) for k, v in da.attrs.items() if k in _KEPT_ATTRS},
         "coord_attrs": coord_attrs,
@@ -948,17 +1100,21 @@ def read_block(meta: Mapping[str, Any], role: str, tile: Tile) -> np.ndarray:
 
     ``meta`` is the load stage's output as the runner opens it, with this run's source.
     """
-    path = _check_unchanged(meta)
+    path = Source(
+        _check_unchanged(meta),
+        tuple((d, p if isinstance(p, int) else tuple(p)) for d, p in meta.get("selection") or []),
+    )
     name = meta["variable"] if role == "cube" else meta["aux"][role]["name"]
     y_dim, x_dim, obs_dim = meta["y_dim"], meta["x_dim"], meta["obs_dim"]
-    ds = open_netcdf(path)
+    ds = path.apply(open_netcdf(path.path))
     try:
-        lead = [d for d in ds[name].dims if d not in (y_dim, x_dim)]
+        var = ds[name]
+        window = {d: v for d, v in plane_window(meta, tile).items() if d in var.dims}
+        lead = [d for d in var.dims if d not in window]
         if role in ("cube", "weights"):
             lead = [obs_dim]
-        window = {y_dim: slice(tile.y0, tile.y1), x_dim: slice(tile.x0, tile.x1)}
         values = _values(
-            ds[name],
+            var,
             lambda v: v.isel(window).transpose(*lead, y_dim, x_dim),
             f"variable {name!r}",
             path,
@@ -1010,9 +1166,14 @@ def _netcdf_config(config: NetCDFLoad | DemoLoad, ctx: StageContext) -> tuple[st
     return os.path.abspath(config.path), config
 
 
-def grid(meta: Mapping[str, Any]) -> tuple[int, int]:
-    """(rows, columns) of the cube's spatial grid: what the run is tiled over."""
-    return int(meta["ny"]), int(meta["nx"])
+def grid(meta: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(rows, columns, rows per plane) of the grid the run is tiled over.
+
+    Rows are the cube's batch dims and y folded together (:func:`plane_window`);
+    a tile never crosses a plane boundary.
+    """
+    planes = int(np.prod(meta.get("lead_shape") or [], dtype=np.int64))
+    return planes * int(meta["ny"]), int(meta["nx"]), int(meta["ny"])
 
 
 for _impl, _cfg, _summary in (

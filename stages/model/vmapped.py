@@ -53,6 +53,7 @@ from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_te
 from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
 from gridsolve.stages.engine.versions import module_digests
+from gridsolve.stages.load.contract import grid_shape
 from gridsolve.stages.model.multidim_linear import MultidimLinear
 
 VERSION = "2"
@@ -922,7 +923,7 @@ def _pick_kernel(
 ) -> tuple[Kernel, str]:
     """The kernel to start the tile with (compiled when asked for and checked) and its cache key."""
     kernel: Kernel = run.eager
-    grid_px = int(inputs["load"].meta["ny"]) * int(inputs["load"].meta["nx"])
+    grid_px = int(np.prod(grid_shape(inputs["load"].meta)))
     want_compile = config.compile == "always" or (
         config.compile == "auto" and grid_px >= COMPILE_MIN_PIXELS
     )

@@ -48,6 +48,7 @@ from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_de
 from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
 from gridsolve.stages.load import patterns
+from gridsolve.stages.load.contract import pixel_name
 from gridsolve.stages.solve import linalg
 
 VERSION = "1"
@@ -933,7 +934,7 @@ def run_tile(
     ny, nx = tile.shape
 
     def where(i: int) -> str:
-        return f"{load.meta['y_dim']}={tile.y0 + i // nx}, {load.meta['x_dim']}={tile.x0 + i % nx}"
+        return pixel_name(load.meta, tile.y0 + i // nx, tile.x0 + i % nx)
 
     out = solve_block(B, op, config, own_w, ctx.memory_budget, gaps, where)
     out.arrays = {k: v.reshape(*v.shape[:-1], ny, nx) for k, v in out.arrays.items()}

@@ -45,6 +45,7 @@ from gridsolve.stages.engine.context import StageContext, work_share
 from gridsolve.stages.engine.hashing import hash_text
 from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
+from gridsolve.stages.load.contract import grid_shape
 from gridsolve.stages.model import vmapped
 from gridsolve.stages.train import dpsgd
 
@@ -178,7 +179,7 @@ def _mask(
     config: GradientTrain, load: Artifact, solve: TiledArtifact, dtype: np.dtype
 ) -> tuple[np.ndarray, dict[str, int]]:
     """The usable-pixel mask of the whole grid and the exclusion counts."""
-    ny, nx = int(load.meta["ny"]), int(load.meta["nx"])
+    ny, nx = grid_shape(load.meta)
     mask = np.zeros((ny, nx), dtype=bool)
     counts: dict[str, int] = {}
     for tile, art in solve.tiles:

@@ -35,6 +35,7 @@ from gridsolve.stages.engine.paths import atomic_file, ensure_allowed, sweep_dea
 from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
 from gridsolve.stages.engine.versions import package_versions
+from gridsolve.stages.load.contract import plane_window
 
 VERSION = "1"
 STAGE = "write/netcdf"
@@ -507,7 +508,9 @@ def _skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.
     cols = design.meta["columns"]
     coords: dict[str, Any] = {}
     bounds: dict[str, Any] = {}
-    for role, dim in (("obs", obs_dim), ("y", y), ("x", x)):
+    roles = [("obs", obs_dim), ("y", y), ("x", x)]
+    roles += [(f"lead:{d}", d) for d in meta.get("lead_dims") or []]
+    for role, dim in roles:
         info = cf.get(role) or {"attrs": meta["coord_attrs"][role]}
         coords[dim] = (dim, np.asarray(load.array(role)), _coord_attrs(info))
         if info.get("bounds") and f"{role}_bounds" in load:
@@ -609,6 +612,7 @@ def _define(
     sizes: dict[str, int],
     config: NetCDFWrite,
     yx: tuple[str, str],
+    lead_dims: Sequence[str] = (),
 ) -> None:
     """Create variable ``v`` (and its dims, index and label variables) from its first tile."""
     lead = first.shape[:-2]
@@ -633,18 +637,25 @@ def _define(
         coord[:] = np.arange(lead[0], dtype=np.int32)
         what = f"{', '.join(v['flat_from'])} of each element of {v['name']}"
         _label_var(nc, f"{v['name']}_label", index, labels, what)
-    shape = [sizes[d] for d in v["dims"]]
+    dims = file_dims(v, lead_dims)
+    shape = [sizes[d] for d in dims]
     var = nc.createVariable(  # type: ignore[call-overload]
         v["name"],
         first.dtype,
-        v["dims"],
+        dims,
         zlib=config.zlib and config.complevel > 0,
         complevel=config.complevel or 1,
         shuffle=config.shuffle,
-        chunksizes=_chunks(v["dims"], shape, *yx, config),
+        chunksizes=_chunks(dims, shape, *yx, config),
         fill_value=np.nan if first.dtype.kind == "f" else None,
     )
     var.setncatts(v["attrs"])
+
+
+def file_dims(v: Mapping[str, Any], lead_dims: Sequence[str]) -> tuple[str, ...]:
+    """Dims of output variable ``v`` in the file: its own, the cube's batch dims, then y, x."""
+    dims = tuple(v["dims"])
+    return (*dims[:-2], *lead_dims, *dims[-2:])
 
 
 def _write_failure(exc: OSError | RuntimeError, final: Path) -> OutputError:
@@ -667,7 +678,7 @@ def _write_failure(exc: OSError | RuntimeError, final: Path) -> OutputError:
     )
 
 
-def _training(ds: xr.Dataset, train: Artifact, y_dim: str, x_dim: str) -> None:
+def _training(ds: xr.Dataset, train: Artifact, load: Artifact) -> None:
     """Add the loss per epoch, the gradient-norm map and the training's provenance."""
     n = len(train.array("train_loss"))
     ds.coords["epoch"] = (
@@ -682,9 +693,11 @@ def _training(ds: xr.Dataset, train: Artifact, y_dim: str, x_dim: str) -> None:
             np.asarray(train.array(name)),
             {"long_name": f"mean squared error of the model over the {what} pixels"},
         )
+    meta = load.meta
+    lead, lead_shape = list(meta.get("lead_dims") or []), list(meta.get("lead_shape") or [])
     ds["grad_norm"] = (
-        (y_dim, x_dim),
-        np.asarray(train.array("grad_norm")),
+        (*lead, meta["y_dim"], meta["x_dim"]),
+        np.asarray(train.array("grad_norm")).reshape(*lead_shape, meta["ny"], meta["nx"]),
         {
             "long_name": "L2 norm of the per-pixel gradient of the training loss with respect "
             "to all model parameters, at the trained weights",
@@ -692,7 +705,7 @@ def _training(ds: xr.Dataset, train: Artifact, y_dim: str, x_dim: str) -> None:
             "validation. Large values mark the pixels that pull hardest on the weights.",
         },
     )
-    meta = train.meta
+    meta = dict(train.meta)
     ds.attrs["gridsolve_train_epochs"] = int(meta["epochs_run"])
     ds.attrs["gridsolve_train_steps"] = int(meta["steps"])
     ds.attrs["gridsolve_train_pixels"] = json.dumps(meta["counts"], sort_keys=True)
@@ -747,23 +760,25 @@ def write_netcdf(
         with atomic_file(final) as tmp:
             skeleton = _skeleton(load, design, attrs)
             if train is not None:
-                _training(skeleton, train, *yx)
+                _training(skeleton, train, load)
             skeleton.to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
             with netCDF4.Dataset(tmp, "a") as nc:
                 _keep_obs_units(nc, load)
                 sizes = {yx[0]: int(load.meta["ny"]), yx[1]: int(load.meta["nx"])}
                 sizes.update({d: len(dim) for d, dim in nc.dimensions.items()})
                 first = {kind: art.tiles[0][1] for kind, art in tiled.items()}
+                lead_dims = list(load.meta.get("lead_dims") or [])
                 for v in variables:
-                    _define(nc, v, _array(first, v), sizes, config, yx)
+                    _define(nc, v, _array(first, v), sizes, config, yx, lead_dims)
                 for i, tile in enumerate(plans[0]):
                     arts = {kind: art.tiles[i][1] for kind, art in tiled.items()}
-                    ys, xs = slice(tile.y0, tile.y1), slice(tile.x0, tile.x1)
+                    window = plane_window(load.meta, tile)
+                    at = (..., *(window[d] for d in lead_dims), window[yx[0]], window[yx[1]])
                     for v in variables:
                         data = _array(arts, v)
                         if "flat_from" in v:
                             data = data.reshape(-1, *data.shape[-2:])
-                        nc.variables[v["name"]][(..., ys, xs)] = data
+                        nc.variables[v["name"]][at] = data
         if train is not None:
             _write_weights(train, final)
     except GridsolveError:

@@ -116,7 +116,15 @@ CASES: dict[str, tuple[Setup, list[str]]] = {
     ),
     "wrong number of dims": (
         lambda t, c: cube_with(t, c, lambda ds: ds.isel(x=0)),
-        ["must have 3 dims", "found:    2 dims"],
+        ["must have at least 3 dims", "found:    2 dims"],
+    ),
+    "selection of a dim the cube lacks": (
+        lambda t, c: c["load"].update(select={"tme": "2000-01-01"}),
+        ["the selection names dims the cube does not have", "Did you mean 'time'?"],
+    ),
+    "selection that matches nothing": (
+        lambda t, c: c["load"].update(select={"time": "1850-01-01"}),
+        ["the selection along 'time' matches nothing", 'load.select.time="1850-01-01"'],
     ),
     "dim that does not exist": (
         lambda t, c: c["load"].update(obs_dim="tme"),
