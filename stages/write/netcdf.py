@@ -405,6 +405,9 @@ def _variables(
         for name, dims in m["param_dims"].items():
             src = f"{kind}:{name}"
             lead = ("output",) if kind == "jac" else ()
+            # A parameter dim named like the Jacobian's own (the bias's "output")
+            # gets a name of its own: one dim may not appear twice in a variable.
+            dims = tuple(f"{d}_wrt" if d in lead else d for d in dims)
             out.append(
                 {
                     "name": f"{kind}_{name.replace('.', '_')}",

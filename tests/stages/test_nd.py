@@ -691,7 +691,6 @@ def test_selection_is_part_of_the_cache_key(ctx: Any, tmp_path: Path) -> None:
     np.testing.assert_array_equal(again["coefficients"].values, dropped["coefficients"].values)
 
 
-@pytest.mark.filterwarnings("ignore:Duplicate dimension names:UserWarning")  # jac_*: pre-existing
 def test_uncertainty_and_jacobians_keep_the_batch_dims(ctx: Any, tmp_path: Path) -> None:
     cube = cube5([500, 850])
     out = pipeline(
@@ -730,7 +729,8 @@ def test_uncertainty_and_jacobians_keep_the_batch_dims(ctx: Any, tmp_path: Path)
     ok = np.isfinite(coef[0])
     np.testing.assert_array_equal(dof[ok], (n_valid - k)[ok])
     # d(outputs)/d(bias) of a linear layer is the identity at every valid series.
-    jac = out["jac_bias"].values  # (output, output, *dims): duplicate dim names
+    assert out["jac_bias"].dims == ("output", "output_wrt", *dims)  # one name per dim
+    jac = out["jac_bias"].values
     assert jac.shape[2:] == tuple(out.sizes[d] for d in dims)
     valid = np.isfinite(out["prediction"].transpose("output", *dims).values[0])
     eye = np.broadcast_to(np.eye(2)[:, :, None], (2, 2, int(valid.sum())))
