@@ -303,11 +303,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     """Validate a config; open the input to check its structure."""
     from gridsolve.schemas.kinds.load import NetCDFLoad
     from gridsolve.schemas.reading import config_to_yaml, load_config
-    from gridsolve.stages.load.netcdf import open_netcdf
+    from gridsolve.stages.load.netcdf import check_opens
 
     cfg = load_config(args.config, args.overrides)
-    if isinstance(cfg.load, NetCDFLoad) and "{" not in cfg.load.path:
-        open_netcdf(cfg.load.path).close()
+    if isinstance(cfg.load, NetCDFLoad) and "{" not in str(cfg.load.path):
+        check_opens(cfg.load)
     print(config_to_yaml(cfg), end="")
     print("config is valid")
     return 0

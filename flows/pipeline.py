@@ -308,6 +308,9 @@ def render_paths(cfg: PipelineConfig, values: Mapping[str, str]) -> PipelineConf
             updates[kind] = conf.model_copy(
                 update={"path": templating.render_template(path, values)}
             )
+        elif isinstance(path, list) and any("{" in p for p in path):
+            rendered = [templating.render_template(p, values) for p in path]
+            updates[kind] = conf.model_copy(update={"path": rendered})
     return cfg.model_copy(update=updates) if updates else cfg
 
 

@@ -27,6 +27,14 @@ def _thin(a: np.ndarray) -> np.ndarray:
     return a[::step, ::step]
 
 
+def open_output(output: str | Path) -> xr.Dataset:
+    """An output of gridsolve: a NetCDF file, or a Zarr store (a folder, whatever its name)."""
+    if Path(output).is_dir():
+        store: xr.Dataset = xr.open_zarr(output)
+        return store
+    return xr.open_dataset(output)
+
+
 def first_plane(ds: xr.Dataset) -> tuple[xr.Dataset, str]:
     """``ds`` at the first index of every batch dim besides the map's two, and which that is.
 
@@ -68,7 +76,7 @@ def quicklook_png(output: str | Path) -> bytes:
     The third map, where the output has a trend with p-values, is the trend
     where it is significant (p < 0.05), blank elsewhere.
     """
-    with xr.open_dataset(output) as full:
+    with open_output(output) as full:
         ds, where = first_plane(full)
         coef = _thin(np.asarray(ds["coefficients"].isel(coef=0).values, dtype=np.float64))
         rms = _thin(np.asarray(ds["residual_rms"].values, dtype=np.float64))
@@ -96,7 +104,7 @@ def quicklook_png(output: str | Path) -> bytes:
 
 def loss_curve_png(output: str | Path) -> bytes | None:
     """PNG bytes of the training and validation loss per epoch, or None without training."""
-    with xr.open_dataset(output) as ds:
+    with open_output(output) as ds:
         if "train_loss" not in ds:
             return None
         epoch = ds["epoch"].values

@@ -111,13 +111,15 @@ class StageConfig(BaseModel):
         """
         return []
 
-    def input_files(self) -> dict[str, str]:
-        """Absolute path of each input file this config names (the paths used by a run)."""
-        out = {}
+    def input_files(self) -> dict[str, str | list[str]]:
+        """Absolute path(s) of each input this config names (the paths used by a run)."""
+        out: dict[str, str | list[str]] = {}
         for name in sorted(self.content_keyed_fields()):
             value = getattr(self, name)
             if isinstance(value, str):
                 out[name] = os.path.abspath(os.path.expanduser(value))
+            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+                out[name] = [os.path.abspath(os.path.expanduser(v)) for v in value]
         return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,13 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
     return out
 
 
+def _resolved(v: str, base: Path) -> str:
+    if v and "://" not in v and not Path(v).expanduser().is_absolute():
+        # Not .resolve(): a glob's pattern characters must reach the glob intact.
+        return os.path.normpath(base / v)
+    return v
+
+
 def resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     """``raw`` with relative path fields made absolute against ``base``."""
     out: dict[str, Any] = json.loads(json.dumps(raw))
@@ -84,8 +92,10 @@ def resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
             continue
         for f in fields:
             v = section.get(f)
-            if isinstance(v, str) and v and "://" not in v and not Path(v).is_absolute():
-                section[f] = str((base / v).resolve())
+            if isinstance(v, str):
+                section[f] = _resolved(v, base)
+            elif isinstance(v, list):
+                section[f] = [_resolved(x, base) if isinstance(x, str) else x for x in v]
     return out
 
 

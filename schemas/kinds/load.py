@@ -58,9 +58,11 @@ class NetCDFLoad(LoadConfig):
     model_config = ConfigDict(title="Load a NetCDF file")
 
     impl: Literal["netcdf"] = "netcdf"
-    path: str = input_file_field(
+    path: str | list[str] = input_file_field(
         ...,
-        "NetCDF file to read. May contain {date}, {scheduled_date}, {flow_run_name} placeholders.",
+        "NetCDF file to read; or a glob (data/sst-*.nc) or list of files, combined along the "
+        "obs dim by its coordinate; or a Zarr store (a folder). May contain {date}, "
+        "{scheduled_date}, {flow_run_name} placeholders.",
         min_length=1,
     )
     variable: str | None = Field(
@@ -102,7 +104,11 @@ class NetCDFLoad(LoadConfig):
 
     @field_validator("path")
     @classmethod
-    def _known_placeholders(cls, v: str) -> str:
+    def _known_placeholders(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list):
+            if any(not p for p in v):
+                raise ValueError("an empty path in the list")
+            return [check_template(p) for p in v]
         return check_template(v)
 
 

@@ -56,5 +56,39 @@ class NetCDFWrite(WriteConfig):
         return self
 
 
-for _builtin in (NetCDFWrite,):
+class ZarrWrite(WriteConfig):
+    """A Zarr store with the output contract, replaced as a whole when complete."""
+
+    model_config = ConfigDict(title="Write a Zarr store")
+
+    impl: Literal["zarr"] = "zarr"
+    path: str = path_field(
+        "gridsolve-output.zarr",
+        "Output Zarr store (a folder). May contain {date}, {scheduled_date}, {flow_run_name}, "
+        "{flow_run_id}.",
+        min_length=1,
+    )
+    chunks: dict[str, int] | None = Field(
+        None,
+        description="Chunk size per dim name, e.g. {y: 256, x: 256}; "
+        "default: 1 along leading dims, 256×256 spatially.",
+    )
+    overwrite: bool = Field(True, description="Replace an existing store (as a whole).")
+    layout: Literal["nested", "flat"] = Field(
+        "nested", description="As for the NetCDF output (write.impl: netcdf)."
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _known_placeholders(cls, v: str) -> str:
+        return check_template(v)
+
+    @model_validator(mode="after")
+    def _positive_chunks(self) -> ZarrWrite:
+        if self.chunks is not None and any(v < 1 for v in self.chunks.values()):
+            raise ValueError("write.chunks sizes must be >= 1")
+        return self
+
+
+for _builtin in (NetCDFWrite, ZarrWrite):
     catalog.add(_builtin)

@@ -9,6 +9,7 @@ symbolic links — inside one of them. Unset, any writable path is allowed.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import uuid
 from collections.abc import Iterator
@@ -72,7 +73,10 @@ def sweep_dead_temporaries(final: Path) -> None:
     for tmp in final.parent.glob(f".{final.name}.gridsolve~*.tmp"):
         tag = tmp.name.split("~", 1)[1].rsplit("~", 1)[0]
         if owner_is_dead(tag):
-            tmp.unlink(missing_ok=True)
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -91,3 +95,32 @@ def atomic_file(final: Path) -> Iterator[Path]:
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_folder(final: Path) -> Iterator[Path]:
+    """A temporary folder beside ``final`` that replaces ``final`` when the block succeeds.
+
+    Readers never see a partial folder: the new one appears under ``final`` by a
+    rename once complete. Replacing an existing ``final`` takes two renames (the
+    old one is moved aside first), so a reader may find no folder in between, but
+    never a mix. On any error the temporary folder is removed and ``final`` is
+    untouched; :func:`sweep_dead_temporaries` removes what a killed writer left.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary_beside(final)
+    old = _temporary_beside(final)
+    try:
+        tmp.mkdir()
+        yield tmp
+        if final.exists():
+            os.replace(final, old)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if old.exists() and not final.exists():
+                os.replace(old, final)  # put the previous one back
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)

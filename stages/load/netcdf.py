@@ -39,9 +39,16 @@ from gridsolve.schemas.errors import ContractError, GridsolveError, InputError, 
 from gridsolve.schemas.kinds.load import DemoLoad, IndexRange, LabelRange, NetCDFLoad
 from gridsolve.schemas.pipeline import suggest
 from gridsolve.stages.engine.context import StageContext
-from gridsolve.stages.engine.hashing import ArrayHasher, canonical_json, file_identity, hash_text
+from gridsolve.stages.engine.hashing import (
+    ArrayHasher,
+    canonical_json,
+    file_identity,
+    hash_file,
+    hash_text,
+)
 from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
+from gridsolve.stages.load import files as filesets
 from gridsolve.stages.load.contract import plane_window
 from gridsolve.stages.load.demo import demo_file
 from gridsolve.stages.load.patterns import GridPatterns
@@ -62,8 +69,13 @@ log = logging.getLogger("gridsolve.load")
 
 
 # ---------------------------------------------------------------- opening
-def open_netcdf(path: str | Path, stage: str = STAGE) -> xr.Dataset:
-    """Open a NetCDF file lazily, or raise one InputError that says what is wrong with it."""
+def open_netcdf(
+    path: str | Path, stage: str = STAGE, chunks: dict[str, Any] | None = None
+) -> xr.Dataset:
+    """Open a NetCDF file lazily, or raise one InputError that says what is wrong with it.
+
+    ``chunks={}`` backs the variables with dask (to combine several files lazily).
+    """
     p = Path(path)
     if not p.exists():
         raise InputError(
@@ -95,7 +107,9 @@ def open_netcdf(path: str | Path, stage: str = STAGE) -> xr.Dataset:
             # Times datetime64 cannot hold come back as cftime dates, which are handled
             # (kept as stored numbers, see _coord): xarray's warning about it is noise here.
             warnings.filterwarnings("ignore", "Unable to decode time axis", SerializationWarning)
-            return xr.open_dataset(p, engine="netcdf4", cache=False, decode_timedelta=False)
+            return xr.open_dataset(
+                p, engine="netcdf4", cache=False, decode_timedelta=False, chunks=chunks
+            )
     except Exception as exc:
         raise InputError(
             f"input file {p} is corrupt or truncated and cannot be opened",
@@ -108,18 +122,46 @@ def open_netcdf(path: str | Path, stage: str = STAGE) -> xr.Dataset:
 # ---------------------------------------------------------------- selection
 @dataclass(frozen=True)
 class Source:
-    """A NetCDF file and the positions of each dim the cube uses (load.isel/select resolved).
+    """Where the cube is and the positions of each dim it uses (load.isel/select resolved).
 
-    Every read of the file goes through :meth:`apply`, so the scan, the hash and
-    the tile reads all see the same sub-cube. A dim with one position (an int)
-    is dropped; a tuple of positions keeps the dim.
+    The cube is a NetCDF file, several combined along obs, or a Zarr store.
+
+    Every read goes through :meth:`open_selected`, so the scan, the hash and the
+    tile reads all see the same sub-cube. A dim with one position (an int) is
+    dropped; a tuple of positions keeps the dim.
     """
 
     path: str
     positions: tuple[tuple[str, int | tuple[int, ...]], ...] = ()
+    #: NetCDF files combined along ``obs_dim``, in observation order (empty: ``path`` alone)
+    files: tuple[str, ...] = ()
+    obs_dim: str = ""
+    zarr: bool = False
 
     def __str__(self) -> str:
+        if len(self.files) > 1:
+            return f"{self.files[0]} (1 of {len(self.files)} files)"
         return self.path
+
+    def describe(self) -> dict[str, Any]:
+        """The source without its positions, as JSON (``files`` and ``zarr`` only when set)."""
+        out: dict[str, Any] = {"path": self.path}
+        if self.files:
+            out.update(files=list(self.files), obs_dim=self.obs_dim)
+        if self.zarr:
+            out["zarr"] = True
+        return out
+
+    @classmethod
+    def from_description(cls, d: Mapping[str, Any], positions: Any = ()) -> Source:
+        """The inverse of :meth:`describe`, with ``positions`` as stored in metadata."""
+        return cls(
+            path=str(d["path"]),
+            positions=tuple((k, p if isinstance(p, int) else tuple(p)) for k, p in positions),
+            files=tuple(d.get("files") or ()),
+            obs_dim=str(d.get("obs_dim", "")),
+            zarr=bool(d.get("zarr", False)),
+        )
 
     def indexers(self) -> dict[str, Any]:
         """The positions as ``.isel`` indexers (runs of equal steps as slices)."""
@@ -128,6 +170,59 @@ class Source:
     def apply(self, ds: xr.Dataset) -> xr.Dataset:
         """``ds`` cut to the selected sub-cube (lazily)."""
         return ds.isel(self.indexers()) if self.positions else ds
+
+    def open(self, raw: bool = False) -> xr.Dataset:
+        """The whole dataset, decoded or (``raw``) as stored; close with :meth:`close`."""
+        if self.zarr:
+            return _open_zarr(self.path, raw)
+        if len(self.files) > 1:
+            return _open_files(self.files, self.obs_dim, raw)
+        return _open_raw_file(self.path) if raw else open_netcdf(self.path)
+
+    def open_selected(self, raw: bool = False) -> xr.Dataset:
+        """The selected sub-cube, decoded or (``raw``) as stored; close with :meth:`close`."""
+        return self.apply(self.open(raw))
+
+    def close(self, ds: xr.Dataset) -> None:
+        """Close a dataset :meth:`open` gave (combined file sets stay open for later tiles)."""
+        if len(self.files) <= 1:
+            ds.close()
+
+
+def _open_zarr(store: str, raw: bool) -> xr.Dataset:
+    try:
+        with _OPEN_LOCK:
+            ds: xr.Dataset = xr.open_zarr(
+                store,
+                chunks=None,
+                mask_and_scale=not raw,
+                decode_times=not raw,
+                decode_timedelta=False,
+            )
+    except Exception as exc:
+        raise InputError(
+            f"Zarr store {store} cannot be opened",
+            stage=STAGE,
+            found=f"{type(exc).__name__}: {exc}",
+            fix="check load.path points at a complete Zarr store (its zarr.json / .zgroup)",
+        ) from exc
+    return ds
+
+
+#: Combined file sets opened in this process: (files, raw, identities) → dataset.
+_OPENED: dict[tuple[tuple[str, ...], bool, str], xr.Dataset] = {}
+
+
+def _open_files(files: tuple[str, ...], obs_dim: str, raw: bool) -> xr.Dataset:
+    ident = canonical_json([file_identity(f) for f in files])
+    key = (files, raw, ident)
+    with _OPEN_LOCK:
+        if key not in _OPENED:
+            while len(_OPENED) >= 4:
+                _OPENED.pop(next(iter(_OPENED))).close()
+            parts = [_open_raw_file(f, chunks={}) if raw else _masked_file(f) for f in files]
+            _OPENED[key] = filesets.concat(parts, range(len(parts)), obs_dim)
+        return _OPENED[key]
 
 
 def _as_slice(positions: tuple[int, ...]) -> slice | list[int]:
@@ -154,17 +249,16 @@ def _shown(value: Any) -> str:
     return json.dumps(value)
 
 
-def resolve_selection(ds: xr.Dataset, var: str, config: NetCDFLoad) -> Source:
+def resolve_selection(ds: xr.Dataset, var: str, config: NetCDFLoad, base: Source) -> Source:
     """The positions load.isel, then load.select, pick in ``var``'s dims; ContractError if none.
 
     Labels are matched on the decoded coordinates (dates as text work, like
     xarray's ``.sel``); the result is positions, so raw and decoded reads agree.
     """
-    path = config.path
     if not (config.isel or config.select):
-        return Source(path)
+        return base
     if var not in ds.variables:
-        return Source(path)  # the cube checks say what is missing
+        return base  # the cube checks say what is missing
     dims = [str(d) for d in ds[var].dims]
     problems = [
         f"load.{field}: {dim!r} is not a dim of {var!r} (its dims are {dims}){suggest(dim, dims)}"
@@ -228,13 +322,14 @@ def resolve_selection(ds: xr.Dataset, var: str, config: NetCDFLoad) -> Source:
             fix="select a range or a list (e.g. [label]) along it, or name the dims with "
             "load.obs_dim / load.y_dim / load.x_dim",
         )
-    return Source(path, tuple(positions))
+    return dataclasses.replace(base, positions=tuple(positions))
 
 
 def _read(da: xr.DataArray, what: str, path: Source) -> np.ndarray:
     try:
+        # Combined file sets are dask-backed: read them here, not on a cluster's scheduler.
         with _OPEN_LOCK:
-            return np.asarray(da.values)
+            return np.asarray(da.compute(scheduler="synchronous").values)
     except Exception as exc:
         raise InputError(
             f"reading {what} from {path} failed: the file is corrupt or truncated",
@@ -298,17 +393,17 @@ def valid_bounds(attrs: Mapping[str, Any], stored: np.dtype) -> tuple[Any, Any] 
     return lo, hi
 
 
-def _open_raw(path: Source) -> xr.Dataset:
+def _open_raw_file(path: str, chunks: dict[str, Any] | None = None) -> xr.Dataset:
     with _OPEN_LOCK:
-        ds = xr.open_dataset(
-            path.path,
+        return xr.open_dataset(
+            path,
             engine="netcdf4",
             cache=False,
             mask_and_scale=False,
             decode_times=False,
             decode_timedelta=False,
+            chunks=chunks,
         )
-    return path.apply(ds)
 
 
 def _values(
@@ -324,28 +419,55 @@ def _values(
     floats (integers as float64), masked or not.
     """
     values = _read(select(da), what, path)
-    if not any(k in da.attrs for k in _VALID_ATTRS):
-        return values
-    raw_ds = _open_raw(path)
+    if len(path.files) > 1 or not any(k in da.attrs for k in _VALID_ATTRS):
+        return values  # a file set is masked file by file when opened (_open_files)
+    raw_ds = path.open_selected(raw=True)
     try:
         raw_da = raw_ds[da.name]
         raw = _read(select(raw_da), what, path)
         bounds = valid_bounds(raw_da.attrs, raw_da.dtype)
     finally:
-        raw_ds.close()
+        path.close(raw_ds)
     if values.dtype.kind != "f":
         values = values.astype(np.float64)
     if bounds is None:
         return values
-    if str(raw_da.attrs.get("_Unsigned", "")).lower() == "true" and raw.dtype.kind == "i":
+    invalid = _outside(raw, raw_da.attrs, bounds)
+    return np.where(invalid, np.nan, values).astype(values.dtype, copy=False)
+
+
+def _outside(raw: Any, attrs: Mapping[str, Any], bounds: tuple[Any, Any]) -> Any:
+    """Where stored values ``raw`` (numpy or dask) lie outside the valid ``bounds``."""
+    if str(attrs.get("_Unsigned", "")).lower() == "true" and raw.dtype.kind == "i":
         raw = raw.view(f"u{raw.dtype.itemsize}")
     lo, hi = bounds
-    invalid = np.zeros(raw.shape, dtype=bool)
+    invalid = raw != raw  # all False, of raw's kind (numpy or dask)
     if lo is not None:
-        invalid |= raw < lo
+        invalid = invalid | (raw < lo)
     if hi is not None:
-        invalid |= raw > hi
-    return np.where(invalid, np.nan, values).astype(values.dtype, copy=False)
+        invalid = invalid | (raw > hi)
+    return invalid
+
+
+def _masked_file(path: str) -> xr.Dataset:
+    """One file of a set, decoded and dask-backed, values outside its own valid range NaN.
+
+    Each file may declare its own packing and valid range (in its stored
+    units), so the mask is made per file, before the files are combined.
+    """
+    ds = open_netcdf(path, chunks={})
+    raw = _open_raw_file(path, chunks={})
+    for name in list(ds.data_vars):
+        bounds = valid_bounds(raw[name].attrs, raw[name].dtype)
+        if bounds is None or not any(k in ds[name].attrs for k in _VALID_ATTRS):
+            continue
+        invalid = _outside(raw[name].data, raw[name].attrs, bounds)
+        ds[name] = (
+            ds[name].astype(np.float64).where(~invalid)
+            if ds[name].dtype.kind != "f"
+            else (ds[name].where(~invalid))
+        )
+    return ds
 
 
 # ---------------------------------------------------------------- dims
@@ -412,13 +534,21 @@ def is_cftime(values: np.ndarray) -> bool:
 
 def _stored_time(path: Source, name: str, what: str) -> tuple[np.ndarray, dict[str, str]]:
     """A time variable's stored numbers and its ``units``/``calendar``, as in the file."""
-    raw_ds = _open_raw(path)
+    raw_ds = path.open_selected(raw=True)
     try:
         raw = raw_ds[name]
         values = _read(raw, what, path)
         attrs = {k: str(raw.attrs[k]) for k in ("units", "calendar") if k in raw.attrs}
     finally:
-        raw_ds.close()
+        path.close(raw_ds)
+    if len(path.files) > 1 and raw.dims and str(raw.dims[0]) == path.obs_dim:
+        units = {str(_open_raw_file(f)[name].attrs.get("units")) for f in path.files}
+        if len(units) > 1:
+            raise ContractError(
+                f"the input files store {name!r} in different units: {sorted(units)}",
+                stage=STAGE,
+                fix="write every file's times with the same units (e.g. cdo setreftime)",
+            )
     attrs.setdefault("calendar", "standard")
     return values, attrs
 
@@ -571,22 +701,30 @@ def _where(dims: tuple[str, ...], index: tuple[int, ...] | None) -> str:
 
 
 def scan_netcdf(config: NetCDFLoad, path: str) -> Scan:
-    """Check every contract of the input and hash its content (memoised per file state)."""
+    """Check every contract of one input file and hash its content (memoised per file state)."""
     ident = file_identity(path) if Path(path).is_file() else {}
-    return _scan_cached(canonical_json(config.key_payload()), path, canonical_json(ident))
+    base = canonical_json(Source(path).describe())
+    return _scan_cached(canonical_json(config.key_payload()), base, canonical_json(ident))
+
+
+def scan_source(config: NetCDFLoad, base: Source, ident: Any) -> Scan:
+    """Check every contract of the cube at ``base`` and hash its content (memoised on ``ident``)."""
+    payload = canonical_json(config.key_payload())
+    return _scan_cached(payload, canonical_json(base.describe()), canonical_json(ident))
 
 
 @functools.lru_cache(maxsize=8)
-def _scan_cached(config_json: str, path: str, ident_json: str) -> Scan:
+def _scan_cached(config_json: str, base_json: str, ident_json: str) -> Scan:
     # key_payload leaves the path out (the key covers the content instead).
-    config = NetCDFLoad.model_validate({**json.loads(config_json), "path": path})
-    ds = open_netcdf(path)
+    base = Source.from_description(json.loads(base_json))
+    config = NetCDFLoad.model_validate({**json.loads(config_json), "path": base.path})
+    ds = base.open()
     try:
         var = _cube_name(config, ds)  # on the whole file: the selection may drop dims
-        src = resolve_selection(ds, var, config)
+        src = resolve_selection(ds, var, config, base)
         scan = _scan(config, src.apply(ds), src, var)
     finally:
-        ds.close()
+        base.close(ds)
     return dataclasses.replace(scan, identity=json.loads(ident_json))
 
 
@@ -630,6 +768,10 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: Source, var: str) -> Scan:
         ).astype(np.float64)
     meta = _meta(cube, coord_attrs, coord_cf, history, stats["cube"], aux, design_columns)
     meta["selection"] = [[d, p if isinstance(p, int) else list(p)] for d, p in path.positions]
+    if meta["selection"]:
+        # Tiles read these positions: two files with the same selected values at other
+        # positions must not share a key (their artifacts would send reads astray).
+        digests["selection"] = hash_text(canonical_json(meta["selection"]))
     meta["digests"] = digests
     digest = hash_text(canonical_json(digests))
     meta["content_hash"] = digest
@@ -1064,8 +1206,29 @@ def _same_content(src: Mapping[str, Any], content_hash: str, now: Mapping[str, i
         return _REVALIDATED[memo]
 
 
-def _check_unchanged(meta: Mapping[str, Any]) -> str:
-    """The input's path this run; InputError if its content is not the one the key covers."""
+def _set_unchanged(src: Mapping[str, Any]) -> bool:
+    """Whether every file of a file set or Zarr store still has the bytes ``locate`` saw."""
+    for f, seen in (src.get("files") or {}).items():
+        try:
+            now = file_identity(f)
+        except FileNotFoundError:
+            return False
+        if now == seen["identity"]:
+            continue
+        memo = (f, canonical_json(now), str(seen["digest"]))
+        with _REVALIDATE_LOCK:
+            if memo not in _REVALIDATED:
+                try:
+                    _REVALIDATED[memo] = hash_file(f) == seen["digest"]
+                except OSError:
+                    _REVALIDATED[memo] = False
+            if not _REVALIDATED[memo]:
+                return False
+    return True
+
+
+def _check_unchanged(meta: Mapping[str, Any]) -> Source:
+    """Where the input is this run; InputError if its content is not the one the key covers."""
     src = meta.get(SOURCE) or {}
     path = src.get("path")
     if not path:
@@ -1075,24 +1238,31 @@ def _check_unchanged(meta: Mapping[str, Any]) -> str:
             fix="open the load stage's output through stages.runner, which attaches "
             "where the input is (stages.load.locate)",
         )
-    try:
-        now: dict[str, int] | None = file_identity(path)
-    except FileNotFoundError:
-        now = None
     content = meta["content_hash"]
-    unchanged = (
-        now is not None
-        and src.get("content") == content
-        and (now == src.get("file") or _same_content(src, content, now))
-    )
+    if "source" in src:
+        base = Source.from_description(src["source"], meta.get("selection") or [])
+        unchanged = src.get("content") == content and _set_unchanged(src)
+        what = f"input {'store' if base.zarr else 'files'} {base}"
+    else:
+        base = Source.from_description({"path": path}, meta.get("selection") or [])
+        try:
+            now: dict[str, int] | None = file_identity(path)
+        except FileNotFoundError:
+            now = None
+        unchanged = (
+            now is not None
+            and src.get("content") == content
+            and (now == src.get("file") or _same_content(src, content, now))
+        )
+        what = f"input file {path}"
     if not unchanged:
         raise InputError(
-            f"input file {path} changed or vanished while the run was using it",
+            f"{what} changed or vanished while the run was using it",
             stage=STAGE,
             fix="rerun once the file is complete; write nightly files under a temporary name "
             "and rename them when done",
         )
-    return str(path)
+    return base
 
 
 def read_block(meta: Mapping[str, Any], role: str, tile: Tile) -> np.ndarray:
@@ -1100,13 +1270,10 @@ def read_block(meta: Mapping[str, Any], role: str, tile: Tile) -> np.ndarray:
 
     ``meta`` is the load stage's output as the runner opens it, with this run's source.
     """
-    path = Source(
-        _check_unchanged(meta),
-        tuple((d, p if isinstance(p, int) else tuple(p)) for d, p in meta.get("selection") or []),
-    )
+    path = _check_unchanged(meta)
     name = meta["variable"] if role == "cube" else meta["aux"][role]["name"]
     y_dim, x_dim, obs_dim = meta["y_dim"], meta["x_dim"], meta["obs_dim"]
-    ds = path.apply(open_netcdf(path.path))
+    ds = path.open_selected()
     try:
         var = ds[name]
         window = {d: v for d, v in plane_window(meta, tile).items() if d in var.dims}
@@ -1120,7 +1287,7 @@ def read_block(meta: Mapping[str, Any], role: str, tile: Tile) -> np.ndarray:
             path,
         )
     finally:
-        ds.close()
+        path.close(ds)
     if values.ndim == 2:
         values = values[None]
     if values.dtype.kind != "f":
@@ -1128,11 +1295,126 @@ def read_block(meta: Mapping[str, Any], role: str, tile: Tile) -> np.ndarray:
     return values
 
 
+# ---------------------------------------------------------------- where the cube is
+def _single(config: NetCDFLoad) -> str | None:
+    """The one NetCDF file ``load.path`` names, or None for a file set or a Zarr store."""
+    if isinstance(config.path, str) and not filesets.is_glob(config.path):
+        path = os.path.abspath(os.path.expanduser(config.path))
+        return None if filesets.is_zarr(path) else path
+    return None
+
+
+def _members(config: NetCDFLoad) -> tuple[list[str], str | None]:
+    """The files a file set or Zarr store consists of, and the store (None for a file set)."""
+    found = filesets.expand(config.path)
+    if len(found) == 1 and filesets.is_zarr(found[0]):
+        return filesets.store_files(found[0]), found[0]
+    stores = [f for f in found if filesets.is_zarr(f)]
+    if stores:
+        raise ContractError(
+            f"load.path mixes a Zarr store ({stores[0]}) with other paths",
+            stage=STAGE,
+            fix="name one Zarr store, or NetCDF files only",
+        )
+    return found, None
+
+
+def _digest_cache(ctx: StageContext) -> Path:
+    return Path(ctx.store.root) / "file-digests"
+
+
+def _set_facts(config: NetCDFLoad, ctx: StageContext) -> tuple[dict[str, Any], str, str | None]:
+    """Per-file identities and digests of a file set or store, its one digest, and the store."""
+    members, store = _members(config)
+    per = filesets.digests(members, _digest_cache(ctx))
+    if store is not None:
+        digest = filesets.set_digest(per, store)
+    else:
+        # Order-free: the files are combined by their coordinates, not their names.
+        digest = hash_text(canonical_json(sorted(d["digest"] for d in per.values())))
+    return per, digest, store
+
+
+@functools.lru_cache(maxsize=8)
+def _file_set(config_json: str, files: tuple[str, ...], ident_json: str) -> Source:
+    """The file set as one source: the cube's obs dim and the files in observation order."""
+    config = NetCDFLoad.model_validate({**json.loads(config_json), "path": list(files)})
+    datasets = [open_netcdf(f, chunks={}) for f in files]
+    try:
+        var = _set_cube_name(config, datasets, files)
+        filesets.check_holds(datasets, files, var)
+        dims = tuple(str(d) for d in datasets[0][var].dims)
+        obs, _, _, problems = infer_dims(dims, config.obs_dim, config.y_dim, config.x_dim)
+        if not obs:
+            raise ContractError(
+                f"cannot tell which dim of {var!r} to combine the files along",
+                stage=STAGE,
+                violations=problems,
+                fix="set load.obs_dim",
+            )
+        filesets.check_obs_encoding(datasets, files, obs)
+        _, order = filesets.combine(datasets, files, var, obs)
+    finally:
+        for ds in datasets:
+            ds.close()
+    ordered = tuple(files[i] for i in order)
+    return Source(ordered[0], files=ordered, obs_dim=obs)
+
+
+def _set_cube_name(config: NetCDFLoad, datasets: list[xr.Dataset], files: tuple[str, ...]) -> str:
+    """The cube's name in a file set: load.variable, else the one every file agrees on."""
+    if config.variable is not None:
+        return config.variable
+    found: dict[str, str] = {}
+    for f, ds in zip(files, datasets, strict=True):
+        try:
+            found[f] = _cube_name(config, ds)
+        except ContractError:
+            found[f] = ""
+    names = set(found.values())
+    if len(names) != 1 or "" in names:
+        raise ContractError(
+            "the input files do not agree on which variable is the cube",
+            stage=STAGE,
+            violations=[
+                f"{f}: {n or 'no single numeric variable with ≥ 3 dims'}" for f, n in found.items()
+            ],
+            fix="set load.variable, or leave out the files that do not hold the cube",
+        )
+    return names.pop()
+
+
+def _base(config: NetCDFLoad, per: Mapping[str, Any], store: str | None) -> Source:
+    if store is not None:
+        return Source(store, zarr=True)
+    files = tuple(per)
+    if len(files) == 1:
+        return Source(files[0])
+    ident = canonical_json([v["identity"] for v in per.values()])
+    return _file_set(canonical_json(config.key_payload()), files, ident)
+
+
+def check_opens(config: NetCDFLoad) -> None:
+    """Open every file (or the store) ``load.path`` names; InputError for the first that fails."""
+    single = _single(config)
+    if single is not None:
+        open_netcdf(single).close()
+        return
+    members, store = _members(config)
+    if store is not None:
+        _open_zarr(store, raw=False).close()
+        return
+    for f in members:
+        open_netcdf(f).close()
+
+
 # ---------------------------------------------------------------- the stage
 def fingerprint(config: NetCDFLoad | DemoLoad, ctx: StageContext) -> dict[str, str]:
-    """Content digest of the selected input variables (what the load key covers)."""
+    """Content digest of the input: the selected variables of one file, or every file's bytes."""
     path, nc = _netcdf_config(config, ctx)
-    return {"content": scan_netcdf(nc, path).digest}
+    if path is not None:
+        return {"content": scan_netcdf(nc, path).digest}
+    return {"content": _set_facts(nc, ctx)[1]}
 
 
 def run(
@@ -1140,30 +1422,48 @@ def run(
 ) -> StageOutput:
     """Checked description of the input plus its coords, design and shared weights."""
     path, nc = _netcdf_config(config, ctx)
-    return scan_netcdf(nc, path).output
+    if path is not None:
+        return scan_netcdf(nc, path).output
+    per, digest, store = _set_facts(nc, ctx)
+    out = scan_source(nc, _base(nc, per, store), per).output
+    # The key covers the files' bytes: the guard compares this run's with them.
+    return StageOutput(arrays=out.arrays, meta={**out.meta, "content_hash": digest})
 
 
 def locate(config: NetCDFLoad | DemoLoad, ctx: StageContext) -> dict[str, Any]:
-    """Where the input is this run: path, file identity and content digest when it was scanned.
+    """Where the input is this run: path(s), file identities and content digest when scanned.
 
     Per-run facts (the runner attaches them to the ref): never part of the key
     or of the stored artifact, which are by content.
     """
     path, nc = _netcdf_config(config, ctx)
-    scan = scan_netcdf(nc, path)  # memoised: the fingerprint scanned this file state
+    if path is not None:
+        scan = scan_netcdf(nc, path)  # memoised: the fingerprint scanned this file state
+        return {
+            "path": path,
+            "file": scan.identity,
+            "content": scan.digest,
+            "config": nc.key_payload(),
+        }
+    per, digest, store = _set_facts(nc, ctx)
+    base = _base(nc, per, store)
     return {
-        "path": path,
-        "file": scan.identity,
-        "content": scan.digest,
+        "path": base.path,
+        "source": base.describe(),
+        "files": {f: per[f] for f in (base.files or per)},
+        "content": digest,
         "config": nc.key_payload(),
     }
 
 
-def _netcdf_config(config: NetCDFLoad | DemoLoad, ctx: StageContext) -> tuple[str, NetCDFLoad]:
+def _netcdf_config(
+    config: NetCDFLoad | DemoLoad, ctx: StageContext
+) -> tuple[str | None, NetCDFLoad]:
+    """The one file to read (None: a file set or store) and the config to read it with."""
     if isinstance(config, DemoLoad):
         path = demo_file(ctx.store.root, config.size, config.seed, config.nan_fraction)
         return os.path.abspath(path), NetCDFLoad(path=str(path), variable="signal")
-    return os.path.abspath(config.path), config
+    return _single(config), config
 
 
 def grid(meta: Mapping[str, Any]) -> tuple[int, int, int]:

@@ -211,8 +211,13 @@ def dataset(
         use = mask[ys, xs]
         target = read_block(load, "target", tile)
         rows.write(rank[ys, xs][use], art.array("coefficients")[:, use].T, target[:, use].T)
-    ny, nx = mask.shape
-    held = dpsgd.block_split(ny, nx, config.validation_fraction, config.seed)[mask]
+    # The split is drawn on the map (y, x) and repeated over the batch dims' planes, so a
+    # location is on one side for every member/level: no leak between the two sides.
+    plane = dpsgd.block_split(
+        int(load.meta["ny"]), int(load.meta["nx"]), config.validation_fraction, config.seed
+    )
+    planes = mask.shape[0] // plane.shape[0]
+    held = np.tile(plane, (planes, 1))[mask]
     counts["train_pixels"] = int((~held).sum())
     counts["validation_pixels"] = int(held.sum())
     return Dataset(rows=rows, n=n, validation=held, counts=counts, mask=mask)

@@ -27,7 +27,7 @@ import xarray as xr
 
 from gridsolve.schemas.contracts import MODEL_STATUS_FLAGS, STATUS_FLAGS
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
-from gridsolve.schemas.kinds.write import NetCDFWrite
+from gridsolve.schemas.kinds.write import NetCDFWrite, ZarrWrite
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.contract import contract_of
 from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
@@ -57,8 +57,11 @@ def _free_bytes(folder: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def check_output_path(path: str, overwrite: bool) -> Path:
-    """The output path, its folder created if missing; OutputError if it cannot be written."""
+def check_output_path(path: str, overwrite: bool, folder: bool = False) -> Path:
+    """The output path, its folder created if missing; OutputError if it cannot be written.
+
+    ``folder``: the output is itself a folder (a Zarr store), replaced as a whole.
+    """
     p = ensure_allowed(path, "output file", STAGE)
     parent = p.parent
     if parent.exists() and not parent.is_dir():
@@ -79,9 +82,22 @@ def check_output_path(path: str, overwrite: bool) -> Path:
             stage=STAGE,
             fix="set write.path to a writable folder, or fix its permissions",
         )
-    if p.is_dir():
+    if p.is_dir() and not folder:
         raise OutputError(
             f"output path {p} is a folder", stage=STAGE, fix="set write.path to a file name"
+        )
+    if folder and p.exists() and not p.is_dir():
+        raise OutputError(
+            f"output path {p} is a file, not a Zarr store",
+            stage=STAGE,
+            fix="set write.path to a new name (e.g. out.zarr), or remove the file",
+        )
+    if folder and p.is_dir() and not (p / ".zmetadata").is_file() and any(p.iterdir()):
+        # Replacing means deleting: only a store gridsolve could have written.
+        raise OutputError(
+            f"output path {p} is a folder that is not a Zarr store; it is left as it is",
+            stage=STAGE,
+            fix="set write.path to a new name (e.g. out.zarr) or to an existing store",
         )
     if p.exists() and not overwrite:
         raise OutputError(
@@ -92,9 +108,10 @@ def check_output_path(path: str, overwrite: bool) -> Path:
     return p
 
 
-def _chunks(
-    dims: Sequence[str], shape: Sequence[int], y_dim: str, x_dim: str, cfg: NetCDFWrite
+def chunk_sizes(
+    dims: Sequence[str], shape: Sequence[int], y_dim: str, x_dim: str, cfg: NetCDFWrite | ZarrWrite
 ) -> list[int]:
+    """Chunk length along each of ``dims``: write.chunks, else 256 × 256 spatially, 1 elsewhere."""
     out = []
     for d, n in zip(dims, shape, strict=True):
         if cfg.chunks and d in cfg.chunks:
@@ -109,7 +126,7 @@ def _chunks(
     return out
 
 
-def chunk_alignment(cfg: NetCDFWrite, y_dim: str, x_dim: str) -> tuple[int, int]:
+def chunk_alignment(cfg: NetCDFWrite | ZarrWrite, y_dim: str, x_dim: str) -> tuple[int, int]:
     """Rows and columns of one output chunk: tiles align to them so chunks are written once."""
     chunks = cfg.chunks or {}
     return chunks.get(y_dim, DEFAULT_CHUNK_Y), chunks.get(x_dim, DEFAULT_CHUNK_X)
@@ -330,7 +347,7 @@ def _harmonic_variables(
     ]
 
 
-def _variables(
+def output_variables(
     load: Artifact,
     design: Artifact,
     tiled: Mapping[str, TiledArtifact],
@@ -503,7 +520,7 @@ def _design_attrs(design: Artifact) -> dict[str, Any]:
     return design_attrs
 
 
-def _skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.Dataset:
+def skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.Dataset:
     """Coordinates, bounds, coef labels and the design matrix, encoded as CF wants them."""
     meta = load.meta
     obs_dim, y, x = meta["obs_dim"], meta["y_dim"], meta["x_dim"]
@@ -586,12 +603,28 @@ def _keep_obs_units(nc: netCDF4.Dataset, load: Artifact) -> None:
     obs_dim = load.meta["obs_dim"]
     cf = (load.meta.get("coord_cf") or {}).get("obs") or {}
     units = (cf.get("encoding") or {}).get("units")
-    if units and "units" in nc.variables[obs_dim].ncattrs():
-        # xarray normalises the reference date's spelling; keep the input's.
-        nc.variables[obs_dim].units = units
+    var = nc.variables[obs_dim]
+    if units and "units" in var.ncattrs() and _same_time_units(str(var.units), str(units)):
+        # xarray normalises the reference date's spelling; keep the input's. (Only when it
+        # is a respelling: values that did not fit the input's units were written in others.)
+        var.units = units
 
 
-def _array(arts: Mapping[str, Artifact], v: Mapping[str, Any]) -> np.ndarray:
+def _same_time_units(a: str, b: str) -> bool:
+    """Whether CF time units ``a`` and ``b`` name the same unit and reference instant."""
+    import cftime
+
+    try:
+        same_unit = a.split()[0].lower().rstrip("s") == b.split()[0].lower().rstrip("s")
+        return same_unit and bool(
+            cftime.num2date(0, a, "proleptic_gregorian")
+            == cftime.num2date(0, b, "proleptic_gregorian")
+        )
+    except (ValueError, IndexError):
+        return False
+
+
+def tile_data(arts: Mapping[str, Artifact], v: Mapping[str, Any]) -> np.ndarray:
     """One tile's data of output variable ``v`` (``arts``: that tile of each tiled input)."""
     kind, name = v["src"]
     data: np.ndarray = arts[kind].array(name)
@@ -600,7 +633,7 @@ def _array(arts: Mapping[str, Artifact], v: Mapping[str, Any]) -> np.ndarray:
     return data
 
 
-def _flat_labels(v: Mapping[str, Any], lead: tuple[int, ...]) -> list[str]:
+def flat_labels(v: Mapping[str, Any], lead: tuple[int, ...]) -> list[str]:
     """``dim=i dim=j`` labels of each element of a flattened variable's leading dims."""
     return [
         " ".join(f"{d}={i}" for d, i in zip(v["flat_from"], ix, strict=True))
@@ -620,7 +653,7 @@ def _define(
     """Create variable ``v`` (and its dims, index and label variables) from its first tile."""
     lead = first.shape[:-2]
     if "flat_from" in v:
-        labels = _flat_labels(v, lead)
+        labels = flat_labels(v, lead)
         lead = (len(labels),)
     for d, n in zip(v["dims"][:-2], lead, strict=True):
         if sizes.setdefault(d, n) != n:
@@ -649,7 +682,7 @@ def _define(
         zlib=config.zlib and config.complevel > 0,
         complevel=config.complevel or 1,
         shuffle=config.shuffle,
-        chunksizes=_chunks(dims, shape, *yx, config),
+        chunksizes=chunk_sizes(dims, shape, *yx, config),
         fill_value=np.nan if first.dtype.kind == "f" else None,
     )
     var.setncatts(v["attrs"])
@@ -681,7 +714,7 @@ def _write_failure(exc: OSError | RuntimeError, final: Path) -> OutputError:
     )
 
 
-def _training(ds: xr.Dataset, train: Artifact, load: Artifact) -> None:
+def add_training(ds: xr.Dataset, train: Artifact, load: Artifact) -> None:
     """Add the loss per epoch, the gradient-norm map and the training's provenance."""
     n = len(train.array("train_loss"))
     ds.coords["epoch"] = (
@@ -722,7 +755,7 @@ def weights_path(output: Path) -> Path:
     return output.with_name(f"{output.name}.weights.safetensors")
 
 
-def _write_weights(train: Artifact, output: Path) -> None:
+def write_weights(train: Artifact, output: Path) -> None:
     """The trained weights as safetensors beside the output (atomically)."""
     from safetensors.numpy import save_file
 
@@ -750,7 +783,7 @@ def write_netcdf(
     """
     final = check_output_path(config.path, config.overwrite)
     sweep_dead_temporaries(final)
-    variables = _variables(load, design, tiled, config.layout)
+    variables = output_variables(load, design, tiled, config.layout)
     yx = (load.meta["y_dim"], load.meta["x_dim"])
     plans = [[tile for tile, _ in art.tiles] for art in tiled.values()]
     if any(p != plans[0] for p in plans):
@@ -761,10 +794,10 @@ def write_netcdf(
         )
     try:
         with atomic_file(final) as tmp:
-            skeleton = _skeleton(load, design, attrs)
+            base = skeleton(load, design, attrs)
             if train is not None:
-                _training(skeleton, train, load)
-            skeleton.to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
+                add_training(base, train, load)
+            base.to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
             with netCDF4.Dataset(tmp, "a") as nc:
                 _keep_obs_units(nc, load)
                 sizes = {yx[0]: int(load.meta["ny"]), yx[1]: int(load.meta["nx"])}
@@ -772,18 +805,18 @@ def write_netcdf(
                 first = {kind: art.tiles[0][1] for kind, art in tiled.items()}
                 lead_dims = list(load.meta.get("lead_dims") or [])
                 for v in variables:
-                    _define(nc, v, _array(first, v), sizes, config, yx, lead_dims)
+                    _define(nc, v, tile_data(first, v), sizes, config, yx, lead_dims)
                 for i, tile in enumerate(plans[0]):
                     arts = {kind: art.tiles[i][1] for kind, art in tiled.items()}
                     window = plane_window(load.meta, tile)
                     at = (..., *(window[d] for d in lead_dims), window[yx[0]], window[yx[1]])
                     for v in variables:
-                        data = _array(arts, v)
+                        data = tile_data(arts, v)
                         if "flat_from" in v:
                             data = data.reshape(-1, *data.shape[-2:])
                         nc.variables[v["name"]][at] = data
         if train is not None:
-            _write_weights(train, final)
+            write_weights(train, final)
     except GridsolveError:
         raise
     except (OSError, RuntimeError) as exc:
@@ -791,8 +824,10 @@ def write_netcdf(
     return final
 
 
-def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
-    """Write the output NetCDF; the stored artifact records its size and checksum."""
+def run_attrs(
+    config: NetCDFWrite | ZarrWrite, inputs: Mapping[str, Any], ctx: StageContext
+) -> dict[str, str]:
+    """The output's global attributes: provenance of this run (see :func:`provenance`)."""
     configs: dict[str, Any] = {}
     keys: dict[str, str] = {}
     for kind, art in inputs.items():
@@ -804,12 +839,17 @@ def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> St
         keys[kind] = art.key
     configs["write"] = config.key_payload()
     keys["write"] = ctx.key
-    attrs = provenance(
+    return provenance(
         configs,
         keys,
         inputs["load"].meta["content_hash"],
         history=inputs["load"].meta.get("history", ""),
     )
+
+
+def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
+    """Write the output NetCDF; the stored artifact records its size and checksum."""
+    attrs = run_attrs(config, inputs, ctx)
     tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
     path = write_netcdf(config, inputs["load"], inputs["design"], tiled, attrs, inputs.get("train"))
     meta: dict[str, Any] = _file_facts(path)

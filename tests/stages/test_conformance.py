@@ -209,7 +209,7 @@ def test_write(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
     _, refs = _run(tmp_path, cube, ctx, "write", impl)
     out = Path(refs["write"].meta["path"])
     coef = _assemble(ctx, refs["solve"], "coefficients")
-    with xr.open_dataset(out) as ds:
+    with xr.open_zarr(out) if out.is_dir() else xr.open_dataset(out) as ds:  # file or store
         got = ds["coefficients"].values
         np.testing.assert_array_equal(got, coef.astype(got.dtype))
 

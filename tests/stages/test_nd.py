@@ -791,3 +791,28 @@ def test_selecting_one_date_does_not_make_a_batch_dim_the_obs(ctx: Any, tmp_path
     path = write(cube4(), tmp_path)
     with pytest.raises(ContractError, match="single value of the obs dim 'time'"):
         _load(path, ctx, select={"time": "2020-01-05"})
+
+
+def test_same_selected_values_at_other_positions_get_their_own_key(
+    ctx: Any, tmp_path: Path
+) -> None:
+    """A file extended backwards: the selected values are equal, their positions are not."""
+    short = cube4()
+    longer = xr.concat(
+        [
+            cube4(seed=9)
+            .isel(time=slice(0, 4))
+            .assign_coords(time=pd.date_range("2019-12-28", periods=4, freq="D")),
+            short,
+        ],
+        dim="time",
+    )
+    a, b = write(short, tmp_path, "a.nc"), write(longer, tmp_path, "b.nc")
+    window = {"time": {"start": "2020-01-03", "stop": "2020-01-20"}}
+    from gridsolve.stages.load.netcdf import fingerprint
+
+    fa = fingerprint(NetCDFLoad.model_validate({"path": str(a), "select": window}), ctx)
+    fb = fingerprint(NetCDFLoad.model_validate({"path": str(b), "select": window}), ctx)
+    assert fa != fb  # tiles of one must never read the other at the stored positions
+    ra, rb = _load(a, ctx, select=window), _load(b, ctx, select=window)
+    assert ra.meta["selection"] != rb.meta["selection"]

@@ -1,0 +1,273 @@
+"""Many files as one cube: globs and lists of NetCDF files, Zarr stores, their content digests.
+
+``load.path`` names one NetCDF file, a glob (``data/sst-*.nc``), a list of
+paths (each may be a glob), or a Zarr store (a folder). Several NetCDF files
+are combined along the observation dim by its coordinate, like
+``xarray.open_mfdataset(combine="by_coords")``, after checking that they share
+the grid and do not overlap.
+
+The cache key of a file set covers the bytes of every file, in the order the
+cube uses them. Each file's digest is kept on disk against its identity
+(inode, size, mtime, ctime: a file rewritten, replaced or touched gets a new
+ctime, which user tools cannot set back), so a rerun over an archive where one
+file was added hashes that file only.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from gridsolve.schemas.errors import ContractError, InputError
+from gridsolve.stages.engine.hashing import canonical_json, file_identity, hash_file, hash_text
+from gridsolve.stages.engine.paths import atomic_file
+
+STAGE = "load"
+_MAGIC = set("*?[")
+#: Zarr v2 and v3 store markers.
+ZARR_MARKERS = (".zgroup", ".zarray", ".zmetadata", "zarr.json")
+
+
+def is_glob(path: str) -> bool:
+    """Whether ``path`` holds glob characters."""
+    return any(c in _MAGIC for c in path)
+
+
+def is_zarr(path: str) -> bool:
+    """Whether ``path`` is a Zarr store (a folder with Zarr metadata)."""
+    p = Path(path)
+    return p.is_dir() and any((p / m).exists() for m in ZARR_MARKERS)
+
+
+def expand(path: str | Sequence[str]) -> list[str]:
+    """The absolute paths ``load.path`` names, globs expanded (sorted), in order, no repeats.
+
+    InputError if a glob matches nothing or the list is empty.
+    """
+    items = [path] if isinstance(path, str) else list(path)
+    if not items:
+        raise InputError("load.path is an empty list", stage=STAGE, fix="list at least one file")
+    out: list[str] = []
+    for item in items:
+        item = os.path.abspath(os.path.expanduser(item))
+        if is_glob(item) and not os.path.exists(item):  # a folder may be named "exp[2]"
+            matches = sorted(glob.glob(item))
+            if not matches:
+                raise InputError(
+                    f"load.path {item!r} matches no file",
+                    stage=STAGE,
+                    fix="check the pattern and the folder (relative paths are resolved "
+                    "against the config file's folder)",
+                )
+            out += matches
+        else:
+            out.append(item)
+    return list(dict.fromkeys(out))
+
+
+def store_files(store: str) -> list[str]:
+    """Every file inside a Zarr store, sorted (what its digest covers)."""
+    found = []
+    for root, _dirs, names in os.walk(store):
+        found += [os.path.join(root, n) for n in names]
+    return sorted(found)
+
+
+# ---------------------------------------------------------------- digests
+_DIGEST_LOCK = threading.Lock()
+
+
+def _digest_file(path: str, cache: Path | None) -> tuple[dict[str, int], str]:
+    """(identity, xxh3-128 of the bytes) of one file; the digest reused while the identity holds."""
+    ident = file_identity(path)
+    entry = cache / f"{hash_text(path)}.json" if cache is not None else None
+    if entry is not None and entry.exists():
+        try:
+            saved = json.loads(entry.read_text())
+            if saved.get("path") == path and saved.get("identity") == ident:
+                return ident, str(saved["digest"])
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable entry: hash again
+    digest = hash_file(path)
+    if file_identity(path) != ident:  # changed while it was read: do not remember it
+        return file_identity(path), hash_file(path)
+    if entry is not None:
+        with _DIGEST_LOCK:
+            try:
+                with atomic_file(entry) as tmp:
+                    tmp.write_text(json.dumps({"path": path, "identity": ident, "digest": digest}))
+            except OSError:
+                pass  # a read-only cache only costs a rehash next time
+    return ident, digest
+
+
+def digests(files: Sequence[str], cache: Path | None) -> dict[str, dict[str, Any]]:
+    """Each file's identity and byte digest (``{"identity": …, "digest": …}``), in order."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in files:
+        try:
+            ident, digest = _digest_file(f, cache)
+        except FileNotFoundError:
+            raise InputError(
+                f"input file not found: {f}",
+                stage=STAGE,
+                fix="check load.path (relative paths are resolved against the config "
+                "file's folder)",
+            ) from None
+        except OSError as exc:
+            raise InputError(
+                f"cannot read input file {f}: {exc.strerror}",
+                stage=STAGE,
+                fix="check its permissions",
+            ) from exc
+        out[f] = {"identity": ident, "digest": digest}
+    return out
+
+
+def set_digest(per_file: dict[str, dict[str, Any]], root: str | None = None) -> str:
+    """One digest of a file set: each file's bytes digest, in order, named relative to ``root``."""
+    names = [os.path.relpath(f, root) if root else "" for f in per_file]
+    return hash_text(
+        canonical_json([[n, d["digest"]] for n, d in zip(names, per_file.values(), strict=True)])
+    )
+
+
+# ---------------------------------------------------------------- combining
+def _span(values: np.ndarray) -> str:
+    return f"{values[0]} … {values[-1]}" if len(values) else "empty"
+
+
+def check_holds(datasets: Sequence[xr.Dataset], files: Sequence[str], var: str) -> None:
+    """ContractError naming the files that lack the cube variable ``var``."""
+    problems = [
+        f"{f}: has no variable {var!r} (its variables: {', '.join(map(str, ds.data_vars))})"
+        for f, ds in zip(files, datasets, strict=True)
+        if var not in ds.variables
+    ]
+    if problems:
+        raise ContractError(
+            "the input files do not all hold the cube",
+            stage=STAGE,
+            violations=problems,
+            fix="list only files of the same product in load.path",
+        )
+
+
+def combine(
+    datasets: Sequence[xr.Dataset], files: Sequence[str], var: str, obs_dim: str
+) -> tuple[xr.Dataset, list[int]]:
+    """The files' datasets as one, along ``obs_dim`` in coordinate order, and that order.
+
+    ContractError naming the files if one lacks the cube, their grids differ,
+    or their observations overlap.
+    """
+    check_holds(datasets, files, var)
+    problems = [
+        f"{f}: {var!r} has no dim {obs_dim!r} (its dims are {list(ds[var].dims)})"
+        for f, ds in zip(files, datasets, strict=True)
+        if var in ds.variables and obs_dim not in ds[var].dims
+    ]
+    if problems:
+        raise ContractError(
+            "the input files do not all hold the cube",
+            stage=STAGE,
+            violations=problems,
+            fix="list only files of the same product in load.path",
+        )
+    first = [np.asarray(ds[obs_dim].values[:1]) for ds in datasets]
+    if any(len(v) == 0 for v in first):
+        empty = [f for f, v in zip(files, first, strict=True) if len(v) == 0]
+        raise ContractError(
+            f"input files without observations: {empty}", stage=STAGE, fix="leave them out"
+        )
+    order = sorted(range(len(datasets)), key=lambda i: first[i][0])
+    ref_i = order[0]
+    ref = datasets[ref_i][var]
+    problems = []
+    for i in order[1:]:
+        da = datasets[i][var]
+        for dim in ref.dims:
+            if dim == obs_dim:
+                continue
+            if dim not in da.dims or da.sizes[dim] != ref.sizes[dim]:
+                problems.append(
+                    f"{files[i]}: dim {dim!r} has "
+                    f"{da.sizes.get(dim, 'no')} values, {files[ref_i]} has {ref.sizes[dim]}"
+                )
+            elif dim in ref.coords and not np.array_equal(
+                np.asarray(da[dim].values), np.asarray(ref[dim].values)
+            ):
+                problems.append(
+                    f"{files[i]}: coordinate {dim!r} ({_span(np.asarray(da[dim].values))}) "
+                    f"differs from {files[ref_i]}'s ({_span(np.asarray(ref[dim].values))})"
+                )
+        if set(da.dims) != set(ref.dims):
+            problems.append(
+                f"{files[i]}: dims {list(da.dims)}, {files[ref_i]} has {list(ref.dims)}"
+            )
+    if problems:
+        raise ContractError(
+            "the input files are on different grids",
+            stage=STAGE,
+            violations=problems,
+            fix="combine only files of the same grid (regrid the others first)",
+        )
+    for a, b in itertools.pairwise(order):
+        end = np.asarray(datasets[a][obs_dim].values)[-1]
+        start = np.asarray(datasets[b][obs_dim].values)[0]
+        if not end < start:
+            raise ContractError(
+                f"input files overlap along {obs_dim!r}",
+                stage=STAGE,
+                found=f"{files[a]} ends at {end}, {files[b]} starts at {start}",
+                fix="list each observation in one file only (leave out duplicates)",
+            )
+    return concat(datasets, order, obs_dim), order
+
+
+def check_obs_encoding(datasets: Sequence[xr.Dataset], files: Sequence[str], obs_dim: str) -> None:
+    """ContractError naming the files whose obs coordinate has another calendar than the first's."""
+
+    def encoding(ds: xr.Dataset) -> dict[str, str]:
+        # The calendar must agree (it decides what the numbers mean); units and reference
+        # dates may differ per file (the output then writes units that fit every value).
+        enc = ds[obs_dim].encoding
+        return {"calendar": str(enc.get("calendar", "standard")).replace("gregorian", "standard")}
+
+    first = encoding(datasets[0])
+    problems = [
+        f"{f}: {obs_dim!r} stored as {encoding(ds)}, {files[0]} as {first}"
+        for f, ds in zip(files[1:], datasets[1:], strict=True)
+        if encoding(ds) != first
+    ]
+    if problems:
+        raise ContractError(
+            f"the input files store {obs_dim!r} in different calendars",
+            stage=STAGE,
+            violations=problems,
+            fix="write every file's times in one calendar (e.g. cdo setcalendar)",
+        )
+
+
+def concat(datasets: Sequence[xr.Dataset], order: Sequence[int], obs_dim: str) -> xr.Dataset:
+    """``datasets`` in ``order`` as one along ``obs_dim``; the rest taken from the first."""
+    if len(datasets) == 1:
+        return datasets[0]
+    return xr.concat(
+        [datasets[i] for i in order],
+        dim=obs_dim,
+        data_vars="minimal",
+        coords="minimal",
+        compat="override",
+        join="override",
+        combine_attrs="override",
+    )

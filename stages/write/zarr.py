@@ -1,0 +1,228 @@
+"""The ``write`` stage as a Zarr store: the NetCDF output's contract, for object stores and Dask.
+
+Same variables, dims, coordinates and attributes as ``write.impl: netcdf``
+(the variable table is shared: :func:`~gridsolve.stages.write.netcdf.output_variables`),
+value for value. The store is built in a temporary folder beside ``write.path``:
+its metadata first (from xarray, so ``xarray.open_zarr`` reads it back with the
+CF decoding), then each tile's data into the chunks it covers, then the
+consolidated metadata (``.zmetadata``), written last; only then is the folder
+renamed to ``write.path``. A reader therefore finds the previous store or the
+complete new one (see ``stages.engine.paths.atomic_folder``); a store without
+``.zmetadata`` is not a complete gridsolve output.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import dask.array as dsa
+import numpy as np
+import xarray as xr
+import zarr
+
+from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
+from gridsolve.schemas.kinds.write import ZarrWrite
+from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
+from gridsolve.stages.engine.paths import atomic_folder, sweep_dead_temporaries
+from gridsolve.stages.engine.registry import StageDecl, register
+from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
+from gridsolve.stages.load.contract import plane_window
+from gridsolve.stages.write import netcdf as nc_writer
+
+STAGE = "write"
+VERSION = "1"
+#: Zarr format 2: consolidated metadata (``.zmetadata``) and text coordinates are part of
+#: its specification, and every Zarr reader (xarray, GDAL, zarr-python 2 and 3) reads it.
+ZARR_FORMAT: Literal[2] = 2
+
+
+def _template(
+    config: ZarrWrite,
+    load: Artifact,
+    variables: list[dict[str, Any]],
+    first: Mapping[str, Artifact],
+    base: xr.Dataset,
+) -> xr.Dataset:
+    """``base`` plus every tiled variable as an unwritten (lazy) array of its full shape."""
+    meta = load.meta
+    yx = (meta["y_dim"], meta["x_dim"])
+    lead_dims = list(meta.get("lead_dims") or [])
+    sizes: dict[str, int] = {yx[0]: int(meta["ny"]), yx[1]: int(meta["nx"])}
+    sizes.update({str(d): int(n) for d, n in base.sizes.items()})
+    sizes.update(zip(lead_dims, (int(n) for n in meta.get("lead_shape") or []), strict=True))
+    out = base.copy()
+    for v in variables:
+        data = nc_writer.tile_data(first, v)
+        own = data.shape[:-2]
+        if "flat_from" in v:
+            labels = nc_writer.flat_labels(v, own)
+            own = (len(labels),)
+            index = v["dims"][0]
+            out.coords[index] = (
+                index,
+                np.arange(own[0], dtype=np.int32),
+                {"long_name": f"position in the flattened dims of {v['name']}", "units": "1"},
+            )
+            out.coords[f"{v['name']}_label"] = (
+                index,
+                np.array(labels, dtype=str),
+                {"long_name": f"{', '.join(v['flat_from'])} of each element of {v['name']}"},
+            )
+        for d, n in zip(v["dims"][:-2], own, strict=True):
+            if sizes.setdefault(d, n) != n:
+                raise ContractError(
+                    f"dim {d!r} would have two sizes in the output ({sizes[d]} and {n})",
+                    stage=STAGE,
+                    fix="rename the model's dims (gridsolve_dims) so they do not clash with "
+                    "the input's",
+                )
+        dims = nc_writer.file_dims(v, lead_dims)
+        shape = [sizes[d] for d in dims]
+        chunks = nc_writer.chunk_sizes(dims, shape, *yx, config)
+        fill = np.nan if data.dtype.kind == "f" else 0
+        lazy = dsa.full(shape, fill, dtype=data.dtype, chunks=chunks)  # type: ignore[no-untyped-call]
+        out[v["name"]] = (dims, lazy, v["attrs"])
+        out[v["name"]].encoding.update(
+            chunks=tuple(chunks), _FillValue=np.nan if data.dtype.kind == "f" else None
+        )
+    for name in list(out.variables):
+        # NetCDF's char label encoding does not apply to Zarr, which stores text as is.
+        for key in ("char_dim_name", "dtype"):
+            if out[name].dtype.kind == "U":
+                out[name].encoding.pop(key, None)
+    return out
+
+
+def _write_tiles(
+    group: zarr.Group,
+    variables: list[dict[str, Any]],
+    tiled: Mapping[str, TiledArtifact],
+    plan: list[Any],
+    meta: Mapping[str, Any],
+) -> None:
+    """Each tile's data into the store's arrays, every chunk written (even all-zero ones).
+
+    Zarr leaves a chunk that equals the fill value unwritten; integer variables
+    (status flags) have no fill value, and a reader would then make up values.
+    """
+    yx = (meta["y_dim"], meta["x_dim"])
+    lead_dims = list(meta.get("lead_dims") or [])
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        for i, tile in enumerate(plan):
+            arts = {kind: art.tiles[i][1] for kind, art in tiled.items()}
+            window = plane_window(meta, tile)
+            at = (..., *(window[d] for d in lead_dims), window[yx[0]], window[yx[1]])
+            for v in variables:
+                data = nc_writer.tile_data(arts, v)
+                if "flat_from" in v:
+                    data = data.reshape(-1, *data.shape[-2:])
+                array = group[v["name"]]
+                assert isinstance(array, zarr.Array)
+                array[at] = data
+
+
+def write_zarr(
+    config: ZarrWrite,
+    load: Artifact,
+    design: Artifact,
+    tiled: Mapping[str, TiledArtifact],
+    attrs: Mapping[str, Any],
+    train: Artifact | None = None,
+) -> Path:
+    """Write the output store (complete, then renamed into place) and return its path."""
+    final = nc_writer.check_output_path(config.path, config.overwrite, folder=True)
+    sweep_dead_temporaries(final)
+    variables = nc_writer.output_variables(load, design, tiled, config.layout)
+    plans = [[tile for tile, _ in art.tiles] for art in tiled.values()]
+    if any(p != plans[0] for p in plans):
+        raise ContractError(
+            "the tiled inputs of the writer were computed on different tile plans",
+            stage=STAGE,
+            fix="rerun: every tiled stage of one run uses the run's tile plan",
+        )
+    meta = load.meta
+    try:
+        with atomic_folder(final) as tmp:
+            base = nc_writer.skeleton(load, design, attrs)
+            if train is not None:
+                nc_writer.add_training(base, train, load)
+            first = {kind: art.tiles[0][1] for kind, art in tiled.items()}
+            template = _template(config, load, variables, first, base)
+            template.to_zarr(
+                str(tmp), mode="w", compute=False, consolidated=False, zarr_format=ZARR_FORMAT
+            )
+            group = zarr.open_group(str(tmp), mode="r+", zarr_format=ZARR_FORMAT)
+            _write_tiles(group, variables, tiled, plans[0], meta)
+            # Last: the mark of a complete store.
+            zarr.consolidate_metadata(str(tmp), zarr_format=ZARR_FORMAT)
+        if train is not None:
+            nc_writer.write_weights(train, final)
+    except GridsolveError:
+        raise
+    except (OSError, RuntimeError) as exc:
+        raise OutputError(
+            f"writing {final} failed",
+            stage=STAGE,
+            found=f"{type(exc).__name__}: {exc}",
+            fix="check write.path and the free space; nothing was written under the final name",
+        ) from exc
+    return final
+
+
+def _store_facts(path: Path) -> dict[str, Any]:
+    """Path, size and a digest of every file of the store (names included)."""
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    digests = [[str(p.relative_to(path)), file_digest(p)] for p in files]
+    return {
+        "path": str(path),
+        "size": sum(p.stat().st_size for p in files),
+        "xxh3": hash_text(canonical_json(digests)),
+    }
+
+
+def still_valid(meta: Mapping[str, Any]) -> bool:
+    """Whether the store (and the trained weights) a stored write artifact describes are intact."""
+    p = Path(meta["path"])
+    try:
+        if not p.is_dir() or _store_facts(p) != {k: meta[k] for k in ("path", "size", "xxh3")}:
+            return False
+    except OSError:
+        return False
+    return "weights" not in meta or nc_writer.still_valid(meta["weights"])
+
+
+def run(config: ZarrWrite, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
+    """Write the output Zarr store; the stored artifact records its size and checksum."""
+    attrs = nc_writer.run_attrs(config, inputs, ctx)
+    tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
+    path = write_zarr(config, inputs["load"], inputs["design"], tiled, attrs, inputs.get("train"))
+    meta: dict[str, Any] = _store_facts(path)
+    if "train" in inputs:
+        weights = nc_writer.weights_path(path)
+        meta["weights"] = {
+            "path": str(weights),
+            "size": os.path.getsize(weights),
+            "xxh3": file_digest(weights),
+        }
+    return StageOutput(meta=meta)
+
+
+register(
+    StageDecl(
+        kind="write",
+        impl="zarr",
+        version=VERSION,
+        config=ZarrWrite,
+        run=run,
+        inputs=("load", "design", "normal_equations", "solve", "model"),
+        optional_inputs=("train",),
+        verify=still_valid,
+        records_sources=True,
+        alignment=lambda cfg, grid: nc_writer.chunk_alignment(cfg, grid["y_dim"], grid["x_dim"]),
+        summary="a Zarr store, complete before it appears",
+    )
+)
