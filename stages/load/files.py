@@ -183,6 +183,14 @@ def combine(
             violations=problems,
             fix="list only files of the same product in load.path",
         )
+    missing = [f for f, ds in zip(files, datasets, strict=True) if obs_dim not in ds.coords]
+    if missing:
+        raise ContractError(
+            f"input files without a {obs_dim!r} coordinate cannot be put in order",
+            stage=STAGE,
+            violations=[f"{f}: no coordinate variable {obs_dim!r}" for f in missing],
+            fix=f"give every file its {obs_dim!r} values (a coordinate variable)",
+        )
     first = [np.asarray(ds[obs_dim].values[:1]) for ds in datasets]
     if any(len(v) == 0 for v in first):
         empty = [f for f, v in zip(files, first, strict=True) if len(v) == 0]

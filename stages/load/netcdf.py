@@ -220,8 +220,24 @@ def _open_files(files: tuple[str, ...], obs_dim: str, raw: bool) -> xr.Dataset:
         if key not in _OPENED:
             while len(_OPENED) >= 4:
                 _OPENED.pop(next(iter(_OPENED))).close()
-            parts = [_open_raw_file(f, chunks={}) if raw else _masked_file(f) for f in files]
-            _OPENED[key] = filesets.concat(parts, range(len(parts)), obs_dim)
+            parts: list[xr.Dataset] = []
+            try:
+                for f in files:
+                    parts.append(_open_raw_file(f, chunks={}) if raw else _masked_file(f))
+            except BaseException:
+                for part in parts:
+                    part.close()
+                raise
+            combined = filesets.concat(parts, range(len(parts)), obs_dim)
+
+            def close_parts(parts: list[xr.Dataset] = parts) -> None:
+                for part in parts:
+                    part.close()
+
+            # Closing the combined set closes its files (xarray reopens a closed file
+            # on the next read, so a tile still holding it reads on).
+            combined.set_close(close_parts)
+            _OPENED[key] = combined
         return _OPENED[key]
 
 
@@ -500,11 +516,14 @@ def infer_dims(
         obs, y, x = dims  # conventional (obs, y, x) order
     rest = tuple(d for d in dims if d not in (y, x))
     if obs is None and y is not None and x is not None:
-        obs = rest[0] if len(rest) == 1 else _pick(OBS_NAMES, rest)
+        # More dims: the one obs-like name, never a guess among several (time and step).
+        named = [d for d in rest if d.lower() in OBS_NAMES]
+        obs = rest[0] if len(rest) == 1 else (named[0] if len(named) == 1 else None)
     if None in (obs, y, x) or len({obs, y, x}) != 3:
         problems.append(
             f"cannot tell which of {list(dims)} are obs, y and x "
-            f"(got obs={obs!r}, y={y!r}, x={x!r})"
+            f"(got obs={obs!r}, y={y!r}, x={x!r}); name them with load.obs_dim / "
+            "load.y_dim / load.x_dim"
         )
         return "", "", "", problems
     assert obs is not None and y is not None and x is not None
@@ -542,7 +561,10 @@ def _stored_time(path: Source, name: str, what: str) -> tuple[np.ndarray, dict[s
     finally:
         path.close(raw_ds)
     if len(path.files) > 1 and raw.dims and str(raw.dims[0]) == path.obs_dim:
-        units = {str(_open_raw_file(f)[name].attrs.get("units")) for f in path.files}
+        units = set()
+        for f in path.files:
+            with _open_raw_file(f) as one:
+                units.add(str(one[name].attrs.get("units")))
         if len(units) > 1:
             raise ContractError(
                 f"the input files store {name!r} in different units: {sorted(units)}",
@@ -1206,13 +1228,13 @@ def _same_content(src: Mapping[str, Any], content_hash: str, now: Mapping[str, i
         return _REVALIDATED[memo]
 
 
-def _set_unchanged(src: Mapping[str, Any]) -> bool:
-    """Whether every file of a file set or Zarr store still has the bytes ``locate`` saw."""
+def _set_changed(src: Mapping[str, Any]) -> str | None:
+    """The first file of a file set or Zarr store whose bytes differ from what ``locate`` saw."""
     for f, seen in (src.get("files") or {}).items():
         try:
             now = file_identity(f)
         except FileNotFoundError:
-            return False
+            return str(f)
         if now == seen["identity"]:
             continue
         memo = (f, canonical_json(now), str(seen["digest"]))
@@ -1223,8 +1245,8 @@ def _set_unchanged(src: Mapping[str, Any]) -> bool:
                 except OSError:
                     _REVALIDATED[memo] = False
             if not _REVALIDATED[memo]:
-                return False
-    return True
+                return str(f)
+    return None
 
 
 def _check_unchanged(meta: Mapping[str, Any]) -> Source:
@@ -1241,8 +1263,9 @@ def _check_unchanged(meta: Mapping[str, Any]) -> Source:
     content = meta["content_hash"]
     if "source" in src:
         base = Source.from_description(src["source"], meta.get("selection") or [])
-        unchanged = src.get("content") == content and _set_unchanged(src)
-        what = f"input {'store' if base.zarr else 'files'} {base}"
+        changed = _set_changed(src) if src.get("content") == content else base.path
+        unchanged = changed is None
+        what = f"input file {changed}" + (f" (in the Zarr store {base.path})" if base.zarr else "")
     else:
         base = Source.from_description({"path": path}, meta.get("selection") or [])
         try:
@@ -1312,7 +1335,8 @@ def _members(config: NetCDFLoad) -> tuple[list[str], str | None]:
     stores = [f for f in found if filesets.is_zarr(f)]
     if stores:
         raise ContractError(
-            f"load.path mixes a Zarr store ({stores[0]}) with other paths",
+            f"load.path names {len(stores)} Zarr store(s) ({stores[0]}, …) and "
+            f"{len(found) - len(stores)} other path(s)",
             stage=STAGE,
             fix="name one Zarr store, or NetCDF files only",
         )

@@ -365,7 +365,7 @@ def test_zarr_mixed_with_netcdf_is_refused(ctx: Any, tmp_path: Path, data: list[
     with pytest.raises(ContractError) as err:
         fail_pipeline(ctx, tmp_path, [str(store), str(data[0])])
     assert type(err.value) is ContractError
-    assert f"load.path mixes a Zarr store ({store}) with other paths" in _message(err)
+    assert f"load.path names 1 Zarr store(s) ({store}, …) and 1 other path(s)" in _message(err)
     assert list((tmp_path / "out-fail").iterdir()) == []
 
 
@@ -410,7 +410,7 @@ def test_guard_refuses_a_file_rewritten_in_place(
     assert data[2].stat().st_ino == inode
     with pytest.raises(InputError, match="changed or vanished") as err:
         read_block(meta, "cube", TILE)
-    assert "z-0.nc" in str(err.value)  # the set, named by its first file
+    assert f"input file {data[2]} changed" in str(err.value)  # the file that changed
 
 
 def test_guard_refuses_a_file_replaced_and_a_file_removed(
@@ -422,12 +422,12 @@ def test_guard_refuses_a_file_replaced_and_a_file_removed(
     np.testing.assert_array_equal(read_block(meta, "cube", TILE), _oracle_block())
     cube(seed=9).isel(time=slice(SPLITS[4], SPLITS[5])).to_netcdf(tmp_path / "tmp.nc")
     os.replace(tmp_path / "tmp.nc", data[4])
-    with pytest.raises(InputError, match="changed or vanished"):
+    with pytest.raises(InputError, match=f"input file {data[4]} changed or vanished"):
         read_block(meta, "cube", TILE)
 
     meta = _runner_meta(cfg, ctx)  # a new run over the new bytes
     data[1].unlink()
-    with pytest.raises(InputError, match="changed or vanished"):
+    with pytest.raises(InputError, match=f"input file {data[1]} changed or vanished"):
         read_block(meta, "cube", TILE)
 
 
@@ -592,3 +592,12 @@ def test_a_folder_named_like_a_glob_is_a_folder(ctx: Any, tmp_path: Path) -> Non
     path = folder / "cube.nc"
     cube().to_netcdf(path)
     assert filesets.expand(str(path)) == [str(path)]
+
+
+def test_files_without_an_obs_coordinate_are_named(ctx: Any, tmp_path: Path) -> None:
+    paths = write_parts(cube().drop_vars("time"), tmp_path / "data", (0, 5, 10))
+    with pytest.raises(ContractError) as err:
+        fail_pipeline(ctx, tmp_path, str(tmp_path / "data" / "z-*.nc"))
+    text = _message(err)
+    assert "without a 'time' coordinate cannot be put in order" in text
+    assert all(str(p) in text for p in paths)

@@ -816,3 +816,12 @@ def test_same_selected_values_at_other_positions_get_their_own_key(
     assert fa != fb  # tiles of one must never read the other at the stored positions
     ra, rb = _load(a, ctx, select=window), _load(b, ctx, select=window)
     assert ra.meta["selection"] != rb.meta["selection"]
+
+
+def test_two_obs_like_dims_are_never_guessed(ctx: Any, tmp_path: Path) -> None:
+    ds = cube4().rename(member="step")  # (time, step, lat, lon): which one is obs?
+    path = write(ds, tmp_path)
+    with pytest.raises(ContractError, match="cannot tell which of") as e:
+        _load(path, ctx)
+    assert "load.obs_dim" in str(e.value)
+    assert _load(path, ctx, obs_dim="time").meta["lead_dims"] == ["step"]
