@@ -17,7 +17,36 @@ class WriteConfig(StageConfig):
     kind: ClassVar[str] = "write"
 
 
-class NetCDFWrite(WriteConfig):
+class GridWrite(WriteConfig):
+    """What the built-in writers share: chunks, layout, replacing an existing output."""
+
+    path: str
+    chunks: dict[str, int] | None = Field(
+        None,
+        description="Chunk size per dim name, e.g. {y: 256, x: 256}; "
+        "default: 1 along leading dims, 256×256 spatially.",
+    )
+    overwrite: bool = Field(True, description="Replace an existing output (as a whole).")
+    layout: Literal["nested", "flat"] = Field(
+        "nested",
+        description="nested: every parameter dim of a gradient or Jacobian is its own dim. "
+        "flat: a variable's dims before (y, x) become one labelled dim <name>_index, "
+        "so tools that read at most one extra dim (CDO, Panoply) read every variable.",
+    )
+
+    @field_validator("path", check_fields=False)
+    @classmethod
+    def _known_placeholders(cls, v: str) -> str:
+        return check_template(v)
+
+    @model_validator(mode="after")
+    def _positive_chunks(self) -> GridWrite:
+        if self.chunks is not None and any(v < 1 for v in self.chunks.values()):
+            raise ValueError("write.chunks sizes must be >= 1")
+        return self
+
+
+class NetCDFWrite(GridWrite):
     """One NetCDF file with the output contract, written atomically."""
 
     model_config = ConfigDict(title="Write NetCDF")
@@ -31,32 +60,9 @@ class NetCDFWrite(WriteConfig):
     zlib: bool = Field(True, description="zlib-compress the variables.")
     complevel: int = Field(1, ge=0, le=9, description="zlib level (1 is fast, 9 is small).")
     shuffle: bool = Field(True, description="HDF5 byte shuffle before compression.")
-    chunks: dict[str, int] | None = Field(
-        None,
-        description="Chunk size per dim name, e.g. {y: 256, x: 256}; "
-        "default: 1 along leading dims, 256×256 spatially.",
-    )
-    overwrite: bool = Field(True, description="Replace an existing file (atomically).")
-    layout: Literal["nested", "flat"] = Field(
-        "nested",
-        description="nested: every parameter dim of a gradient or Jacobian is its own dim. "
-        "flat: a variable's dims before (y, x) become one labelled dim <name>_index, "
-        "so tools that read at most one extra dim (CDO, Panoply) read every variable.",
-    )
-
-    @field_validator("path")
-    @classmethod
-    def _known_placeholders(cls, v: str) -> str:
-        return check_template(v)
-
-    @model_validator(mode="after")
-    def _positive_chunks(self) -> NetCDFWrite:
-        if self.chunks is not None and any(v < 1 for v in self.chunks.values()):
-            raise ValueError("write.chunks sizes must be >= 1")
-        return self
 
 
-class ZarrWrite(WriteConfig):
+class ZarrWrite(GridWrite):
     """A Zarr store with the output contract, replaced as a whole when complete."""
 
     model_config = ConfigDict(title="Write a Zarr store")
@@ -68,26 +74,6 @@ class ZarrWrite(WriteConfig):
         "{flow_run_id}.",
         min_length=1,
     )
-    chunks: dict[str, int] | None = Field(
-        None,
-        description="Chunk size per dim name, e.g. {y: 256, x: 256}; "
-        "default: 1 along leading dims, 256×256 spatially.",
-    )
-    overwrite: bool = Field(True, description="Replace an existing store (as a whole).")
-    layout: Literal["nested", "flat"] = Field(
-        "nested", description="As for the NetCDF output (write.impl: netcdf)."
-    )
-
-    @field_validator("path")
-    @classmethod
-    def _known_placeholders(cls, v: str) -> str:
-        return check_template(v)
-
-    @model_validator(mode="after")
-    def _positive_chunks(self) -> ZarrWrite:
-        if self.chunks is not None and any(v < 1 for v in self.chunks.values()):
-            raise ValueError("write.chunks sizes must be >= 1")
-        return self
 
 
 for _builtin in (NetCDFWrite, ZarrWrite):

@@ -146,12 +146,19 @@ def _span(values: np.ndarray) -> str:
     return f"{values[0]} … {values[-1]}" if len(values) else "empty"
 
 
-def check_holds(datasets: Sequence[xr.Dataset], files: Sequence[str], var: str) -> None:
-    """ContractError naming the files that lack the cube variable ``var``."""
+def check_holds(
+    datasets: Sequence[xr.Dataset], files: Sequence[str], var: str, obs_dim: str | None = None
+) -> None:
+    """ContractError naming the files that lack the cube variable ``var`` (or its ``obs_dim``)."""
     problems = [
         f"{f}: has no variable {var!r} (its variables: {', '.join(map(str, ds.data_vars))})"
         for f, ds in zip(files, datasets, strict=True)
         if var not in ds.variables
+    ]
+    problems += [
+        f"{f}: {var!r} has no dim {obs_dim!r} (its dims are {list(ds[var].dims)})"
+        for f, ds in zip(files, datasets, strict=True)
+        if obs_dim is not None and var in ds.variables and obs_dim not in ds[var].dims
     ]
     if problems:
         raise ContractError(
@@ -170,19 +177,7 @@ def combine(
     ContractError naming the files if one lacks the cube, their grids differ,
     or their observations overlap.
     """
-    check_holds(datasets, files, var)
-    problems = [
-        f"{f}: {var!r} has no dim {obs_dim!r} (its dims are {list(ds[var].dims)})"
-        for f, ds in zip(files, datasets, strict=True)
-        if var in ds.variables and obs_dim not in ds[var].dims
-    ]
-    if problems:
-        raise ContractError(
-            "the input files do not all hold the cube",
-            stage=STAGE,
-            violations=problems,
-            fix="list only files of the same product in load.path",
-        )
+    check_holds(datasets, files, var, obs_dim)
     missing = [f for f, ds in zip(files, datasets, strict=True) if obs_dim not in ds.coords]
     if missing:
         raise ContractError(
