@@ -7,8 +7,8 @@ its metadata first (from xarray, so ``xarray.open_zarr`` reads it back with the
 CF decoding), then each tile's data into the chunks it covers, then the
 consolidated metadata (``.zmetadata``), written last; only then is the folder
 renamed to ``write.path``. A reader therefore finds the previous store or the
-complete new one (see ``stages.engine.paths.atomic_folder``); a store without
-``.zmetadata`` is not a complete gridsolve output.
+complete new one, or for an instant none (``stages.engine.paths.atomic_folder``);
+a store without ``.zmetadata`` is not a complete gridsolve output.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from gridsolve.stages.write import netcdf as nc_writer
 
 STAGE = "write"
 VERSION = "1"
-#: Zarr format 2: consolidated metadata (``.zmetadata``) and text coordinates are part of
-#: its specification, and every Zarr reader (xarray, GDAL, zarr-python 2 and 3) reads it.
+#: Zarr format 2: consolidated metadata (``.zmetadata``) and text arrays are part of its
+#: specification (in format 3 both are still extensions that zarr-python warns about).
 ZARR_FORMAT: Literal[2] = 2
 
 
