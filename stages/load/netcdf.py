@@ -49,7 +49,7 @@ from gridsolve.stages.engine.hashing import (
 from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
 from gridsolve.stages.load import files as filesets
-from gridsolve.stages.load.contract import plane_window
+from gridsolve.stages.load.contract import grid_shape, plane_window
 from gridsolve.stages.load.demo import demo_file
 from gridsolve.stages.load.patterns import GridPatterns
 
@@ -1496,8 +1496,8 @@ def grid(meta: Mapping[str, Any]) -> tuple[int, int, int]:
     Rows are the cube's batch dims and y folded together (:func:`plane_window`);
     a tile never crosses a plane boundary.
     """
-    planes = int(np.prod(meta.get("lead_shape") or [], dtype=np.int64))
-    return planes * int(meta["ny"]), int(meta["nx"]), int(meta["ny"])
+    rows, cols = grid_shape(meta)
+    return rows, cols, int(meta["ny"])
 
 
 for _impl, _cfg, _summary in (

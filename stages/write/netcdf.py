@@ -852,13 +852,14 @@ def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> St
     attrs = run_attrs(config, inputs, ctx)
     tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
     path = write_netcdf(config, inputs["load"], inputs["design"], tiled, attrs, inputs.get("train"))
-    meta: dict[str, Any] = _file_facts(path)
+    meta: dict[str, Any] = file_facts(path)
     if "train" in inputs:
-        meta["weights"] = _file_facts(weights_path(path))
+        meta["weights"] = file_facts(weights_path(path))
     return StageOutput(meta=meta)
 
 
-def _file_facts(path: Path) -> dict[str, Any]:
+def file_facts(path: Path) -> dict[str, Any]:
+    """Path, size and xxh3 of a file the writer made (what ``still_valid`` checks)."""
     return {"path": str(path), "size": path.stat().st_size, "xxh3": file_digest(path)}
 
 

@@ -13,7 +13,6 @@ a store without ``.zmetadata`` is not a complete gridsolve output.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -202,12 +201,7 @@ def run(config: ZarrWrite, inputs: Mapping[str, Any], ctx: StageContext) -> Stag
     path = write_zarr(config, inputs["load"], inputs["design"], tiled, attrs, inputs.get("train"))
     meta: dict[str, Any] = _store_facts(path)
     if "train" in inputs:
-        weights = nc_writer.weights_path(path)
-        meta["weights"] = {
-            "path": str(weights),
-            "size": os.path.getsize(weights),
-            "xxh3": file_digest(weights),
-        }
+        meta["weights"] = nc_writer.file_facts(nc_writer.weights_path(path))
     return StageOutput(meta=meta)
 
 
