@@ -20,6 +20,7 @@ import xarray as xr
 from gridsolve.schemas.errors import ContractError
 from gridsolve.schemas.kinds.load import NetCDFLoad
 from gridsolve.schemas.pipeline import build_config
+from gridsolve.stages.engine.agreement import disagreements
 from gridsolve.stages.engine.tiles import plan_tiles
 from gridsolve.stages.load.contract import grid_shape, pixel_name, plane_window
 from gridsolve.stages.load.netcdf import run as load_run
@@ -540,13 +541,11 @@ def test_many_tiles_give_the_numbers_of_one(ctx: Any, tmp_path: Path) -> None:
     path = write(cube5([500, 850]), tmp_path)
     one = pipeline(ctx, tmp_path, path, tile_pixels=10**6, name="one.nc")
     many = pipeline(ctx, tmp_path, path, tile_pixels=3, name="many.nc")
-    for name in one.data_vars:
-        a, b = many[name].values, one[name].values
-        if a.dtype == np.float32:
-            # the float32 model's batched kernels round by batch size (as on 3-D cubes)
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=name)
-        else:
-            np.testing.assert_array_equal(a, b, err_msg=name)
+    # Across tilings the guarantee is the agreement bound, not equal bits: batched BLAS
+    # kernels round by batch size on some CPU paths (README, Determinism).
+    assert set(many.data_vars) == set(one.data_vars)
+    got = {name: many[name].values for name in many.data_vars}
+    assert not disagreements(got, {name: one[name].values for name in one.data_vars})
     check_against_lstsq(many, cube5([500, 850])["sig"], ("pressure", "member", "lat", "lon"))
 
 
