@@ -300,14 +300,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """Validate a config; open the input to check its structure."""
+    """Validate a config; open the input, and probe an output bucket."""
     from gridsolve.schemas.kinds.load import NetCDFLoad
     from gridsolve.schemas.reading import config_to_yaml, load_config
     from gridsolve.stages.load.netcdf import check_opens
+    from gridsolve.stages.write.netcdf import check_write_target
 
     cfg = load_config(args.config, args.overrides)
     if isinstance(cfg.load, NetCDFLoad) and "{" not in str(cfg.load.path):
         check_opens(cfg.load)
+    if "{" not in str(getattr(cfg.write, "path", "")):
+        check_write_target(cfg.write)
     print(config_to_yaml(cfg), end="")
     print("config is valid")
     return 0

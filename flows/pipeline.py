@@ -68,6 +68,7 @@ from gridsolve.stages.engine.plan import (
     tiled_ref,
 )
 from gridsolve.stages.engine.registry import decl_for
+from gridsolve.stages.engine.remote import is_url
 from gridsolve.stages.engine.runner import (
     cache_key,
     prepare_stage,
@@ -76,7 +77,8 @@ from gridsolve.stages.engine.runner import (
     run_tile,
     with_sources,
 )
-from gridsolve.stages.engine.store import Store
+from gridsolve.stages.engine.store import bucket_mirror, open_store
+from gridsolve.stages.write.netcdf import check_write_target
 
 PREFECT_RECORDS = "prefect"
 
@@ -99,7 +101,7 @@ class StoreCachePolicy(CachePolicy):
         cache: CacheConfig = inputs["cache"]
         if not cache.enabled:
             return None
-        store = Store(cache.root)
+        store = open_store(cache.root, cache.storage_options)
         ctx = StageContext(store=store, peers=inputs.get("peers") or {})
         config: StageConfig = inputs["config"]
         try:
@@ -130,7 +132,14 @@ TASK_OPTIONS: dict[str, Any] = {
 
 def task_options(cache: CacheConfig) -> dict[str, Any]:
     """Per-run task options: Prefect's cache records live in the store's own folder."""
-    return {"result_storage": Path(cache.root).expanduser().resolve() / PREFECT_RECORDS}
+    return {"result_storage": records_folder(cache)}
+
+
+def records_folder(cache: CacheConfig) -> Path:
+    """Where Prefect's cache records are: in the store's folder (this host's copy for a bucket)."""
+    if is_url(cache.root):
+        return bucket_mirror(cache.root) / PREFECT_RECORDS
+    return Path(cache.root).expanduser().resolve() / PREFECT_RECORDS
 
 
 def _progress_artifact() -> Callable[[float, str], None]:
@@ -157,7 +166,7 @@ def _ctx(
     peers: Mapping[str, StageConfig] | None = None,
 ) -> StageContext:
     return StageContext(
-        store=Store(cache.root),
+        store=open_store(cache.root, cache.storage_options),
         memory_budget=execution.memory_budget_bytes,
         logger=get_run_logger(),  # type: ignore[arg-type]
         peers=dict(peers or {}),
@@ -565,6 +574,8 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     logger = get_run_logger()
     cfg = render_paths(cfg, template_values())
     plan = _plan(cfg)
+    with noting_user_errors():
+        check_write_target(cfg.write)  # a bucket that refuses the output fails before any work
     opts = task_options(cfg.cache)
     execution = cfg.execution
     rows: list[StageSummary] = []

@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import xarray as xr
 
+from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.paths import atomic_file
 
 MAX_SIDE = 300
@@ -28,7 +29,16 @@ def _thin(a: np.ndarray) -> np.ndarray:
 
 
 def open_output(output: str | Path) -> xr.Dataset:
-    """An output of gridsolve: a NetCDF file, or a Zarr store (a folder, whatever its name)."""
+    """An output of gridsolve: a NetCDF file, or a Zarr store (a folder, whatever its name).
+
+    A URL is opened with the endpoint and credentials of the environment.
+    """
+    if remote.is_url(str(output)):
+        url = str(output)
+        if remote.exists(f"{url}/.zmetadata"):
+            found: xr.Dataset = xr.open_zarr(url, storage_options=remote.storage_options(None))
+            return found
+        return xr.open_dataset(remote.local_copy(url))
     if Path(output).is_dir():
         store: xr.Dataset = xr.open_zarr(output)
         return store
@@ -125,26 +135,30 @@ def loss_curve_png(output: str | Path) -> bytes | None:
     return buf.getvalue()
 
 
-def _write_beside(output: str | Path, suffix: str, png: bytes) -> Path:
+def _write_beside(output: str | Path, suffix: str, png: bytes) -> Path | str:
+    if remote.is_url(str(output)):
+        url = f"{output}.{suffix}.png"
+        remote.filesystem(url).pipe_file(url, png)  # one PUT: whole or absent
+        return url
     path = Path(f"{output}.{suffix}.png")
     with atomic_file(path) as tmp:
         tmp.write_bytes(png)
     return path
 
 
-def write_quicklook(output: str | Path) -> tuple[Path, bytes]:
+def write_quicklook(output: str | Path) -> tuple[Path | str, bytes]:
     """Write ``<output>.quicklook.png`` beside the output (atomically); return path and bytes."""
     png = quicklook_png(output)
     return _write_beside(output, "quicklook", png), png
 
 
-def write_loss_curve(output: str | Path) -> tuple[Path, bytes] | None:
+def write_loss_curve(output: str | Path) -> tuple[Path | str, bytes] | None:
     """Write ``<output>.loss.png`` beside the output when it holds a training's losses."""
     png = loss_curve_png(output)
     return None if png is None else (_write_beside(output, "loss", png), png)
 
 
-def markdown(png: bytes, path: Path, output: str | Path, title: str = "quick look") -> str:
+def markdown(png: bytes, path: Path | str, output: str | Path, title: str = "quick look") -> str:
     """Markdown showing the picture inline, with where the file and the picture are."""
     data = base64.b64encode(png).decode("ascii")
     return (

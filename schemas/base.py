@@ -10,10 +10,11 @@ folder; :func:`input_file_field` paths are also keyed by their content.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 _SPEED = "speed_only"
 _PATH = "is_path"
@@ -48,6 +49,57 @@ def input_file_field(default: Any, description: str, **kwargs: Any) -> Any:
         json_schema_extra={_PATH: True, _CONTENT: True},
         **kwargs,
     )
+
+
+#: Option names that hold secrets: refused in configs (which Prefect stores and shows).
+_SECRET = re.compile(r"secret|password|token|credential|^key$|access_key|session", re.IGNORECASE)
+
+
+def check_storage_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` unchanged; ValueError naming any option that holds a secret (nested too)."""
+
+    def walk(value: Any, where: str) -> list[str]:
+        if not isinstance(value, dict):
+            return []
+        found = []
+        for k, v in value.items():
+            name = f"{where}.{k}" if where else str(k)
+            if _SECRET.search(str(k)):
+                found.append(name)
+            found += walk(v, name)
+        return found
+
+    secrets = walk(options, "")
+    if secrets:
+        raise ValueError(
+            f"storage_options may not hold credentials ({', '.join(secrets)}): a config is "
+            "stored and shown by the Prefect server. Set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment of every process that "
+            "runs gridsolve instead"
+        )
+    return options
+
+
+#: A ``storage_options`` mapping, checked to hold no credentials.
+StorageOptions = Annotated[dict[str, Any], AfterValidator(check_storage_options)]
+
+
+def storage_options_field() -> Any:
+    """``storage_options`` of an object-store URL: endpoint, region, … (never credentials)."""
+    return Field(
+        default_factory=dict,
+        description="Options of the fsspec filesystem of s3:// (or other) URLs, e.g. "
+        "{endpoint_url: http://minio:9000, client_kwargs: {region_name: eu-west-1}}. "
+        "Credentials are refused here: they come from the environment (AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_PROFILE). Where data is, not what it is: not part of the "
+        "cache key.",
+        json_schema_extra={_SPEED: True},
+    )
+
+
+def is_url(path: str) -> bool:
+    """Whether ``path`` is an object-store URL (``s3://…``), not a local path."""
+    return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path)) and not path.startswith("file://")
 
 
 def _field_flag(model: type[BaseModel], name: str, flag: str) -> bool:
@@ -117,10 +169,14 @@ class StageConfig(BaseModel):
         for name in sorted(self.content_keyed_fields()):
             value = getattr(self, name)
             if isinstance(value, str):
-                out[name] = os.path.abspath(os.path.expanduser(value))
+                out[name] = _absolute(value)
             elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-                out[name] = [os.path.abspath(os.path.expanduser(v)) for v in value]
+                out[name] = [_absolute(v) for v in value]
         return out
+
+
+def _absolute(path: str) -> str:
+    return path if is_url(path) else os.path.abspath(os.path.expanduser(path))
 
 
 def needs_load_field(stages: Mapping[str, StageConfig], field: str, problem: str) -> list[str]:

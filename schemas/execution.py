@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gridsolve.schemas.base import path_field
+from gridsolve.schemas.base import StorageOptions, path_field, storage_options_field
 
 
 class CacheConfig(BaseModel):
@@ -17,10 +17,12 @@ class CacheConfig(BaseModel):
 
     root: str = path_field(
         ".gridsolve-cache",
-        "Folder of the content-addressed store (shared by every worker at scale).",
+        "Folder of the content-addressed store, or an object-store URL (s3://bucket/prefix) "
+        "that workers sharing no disk use together.",
         min_length=1,
     )
     enabled: bool = Field(True, description="Reuse stored stage outputs; false recomputes all.")
+    storage_options: StorageOptions = storage_options_field()
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)

@@ -184,7 +184,11 @@ def config_error_from_validation(err: ValidationError, source: str = "config") -
             msg = "unknown key (remove it or check the spelling)"
         elif e["type"] == "missing":
             msg = "required field is missing"
-        elif "input" in e and e["type"] not in ("unknown_impl", "missing_impl"):
+        elif (
+            "input" in e
+            and e["type"] not in ("unknown_impl", "missing_impl")
+            and "storage_options" not in loc  # may hold a secret: never echoed
+        ):
             msg = f"{msg} (found {e['input']!r})"
         violations.append(f"{loc}: {msg}")
     return ConfigError(

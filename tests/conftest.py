@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,61 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
                 ("prefect server log (end)", log.read_text(errors="replace")[-6000:])
             )
     return report
+
+
+# ---------------------------------------------------------------- object storage
+@dataclass
+class S3Bucket:
+    """A fresh bucket on the test S3 server."""
+
+    server: Any
+    bucket: str
+
+    def url(self, name: str = "") -> str:
+        """``s3://<bucket>/<name>``."""
+        return f"s3://{self.bucket}/{name}"
+
+    @property
+    def fs(self) -> Any:
+        """An s3fs filesystem with the valid key (uncached)."""
+        return self.server.filesystem()
+
+    def objects(self) -> list[str]:
+        """Every object in the bucket (paths without the bucket)."""
+        fs = self.fs
+        return sorted(p.split("/", 1)[1] for p in fs.find(self.bucket))
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[Any]:
+    """A real S3-compatible server (moto, auth enforced) on 127.0.0.1, for the session."""
+    from s3server import s3_server as start
+
+    with start() as server:
+        yield server
+
+
+@pytest.fixture
+def s3(s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The S3 server's credentials and endpoint in the environment, a fresh bucket, a mirror.
+
+    ``s3.bucket`` is the new bucket's name; this host's copies go under
+    ``tmp_path/mirror`` (``GRIDSOLVE_MIRROR``).
+    """
+    import uuid
+
+    from s3server import forget_filesystems
+
+    from gridsolve.stages.engine import remote
+
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv(remote.MIRROR_ENV, str(tmp_path / "mirror"))
+    forget_filesystems()
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    s3_server.make_bucket(bucket)
+    yield S3Bucket(s3_server, bucket)
+    forget_filesystems()
 
 
 @pytest.fixture

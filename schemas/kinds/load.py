@@ -8,7 +8,12 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from gridsolve.schemas import catalog
-from gridsolve.schemas.base import StageConfig, input_file_field
+from gridsolve.schemas.base import (
+    StageConfig,
+    StorageOptions,
+    input_file_field,
+    storage_options_field,
+)
 from gridsolve.schemas.templating import check_template
 
 
@@ -88,6 +93,7 @@ class NetCDFLoad(LoadConfig):
         description="Variable with dims (output, y, x) or (y, x), plus any of the cube's other "
         "dims: the model's MSE target.",
     )
+    storage_options: StorageOptions = storage_options_field()
     isel: dict[str, int | list[int] | IndexRange] = Field(
         default_factory=dict,
         description="Positional sub-cube, like xarray's .isel: {dim: position | [positions] | "

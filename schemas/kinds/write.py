@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from gridsolve.schemas import catalog
-from gridsolve.schemas.base import StageConfig, path_field
+from gridsolve.schemas.base import StageConfig, StorageOptions, path_field, storage_options_field
 from gridsolve.schemas.templating import check_template
 
 
@@ -27,6 +27,7 @@ class GridWrite(WriteConfig):
         "default: 1 along leading dims, 256×256 spatially.",
     )
     overwrite: bool = Field(True, description="Replace an existing output (as a whole).")
+    storage_options: StorageOptions = storage_options_field()
     layout: Literal["nested", "flat"] = Field(
         "nested",
         description="nested: every parameter dim of a gradient or Jacobian is its own dim. "

@@ -134,6 +134,7 @@ def file_identity(path: str | Path) -> dict[str, int]:
     """
     st = os.stat(path)
     return {
+        "device": st.st_dev,
         "inode": st.st_ino,
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,

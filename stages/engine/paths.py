@@ -19,6 +19,9 @@ from pathlib import Path
 from gridsolve.schemas.errors import OutputError
 
 ALLOWED_ROOTS_ENV = "GRIDSOLVE_ALLOWED_ROOTS"
+#: Object-store prefixes (``s3://bucket/prefix``, separated by spaces) writes may go to
+#: while ``GRIDSOLVE_ALLOWED_ROOTS`` confines local writes.
+ALLOWED_URLS_ENV = "GRIDSOLVE_ALLOWED_URLS"
 
 
 def allowed_roots() -> list[Path]:
@@ -40,6 +43,26 @@ def ensure_allowed(path: str | Path, what: str, stage: str | None = None) -> Pat
             fix=f"choose a {what} inside those folders",
         )
     return resolved
+
+
+def ensure_allowed_url(url: str, what: str, stage: str | None = None) -> str:
+    """``url``; OutputError if writes are confined and it is under no allowed prefix.
+
+    With ``GRIDSOLVE_ALLOWED_ROOTS`` unset nothing is confined; set, a URL must
+    start with one of the prefixes in ``GRIDSOLVE_ALLOWED_URLS``.
+    """
+    if not allowed_roots():
+        return url
+    prefixes = [p.rstrip("/") for p in os.environ.get(ALLOWED_URLS_ENV, "").split() if p]
+    if not any(url == p or url.startswith(p + "/") for p in prefixes):
+        raise OutputError(
+            f"{what} {url} is outside the places this worker may write to",
+            stage=stage,
+            expected=f"a URL under {', '.join(prefixes) or '(none allowed)'} ({ALLOWED_URLS_ENV})",
+            found=url,
+            fix=f"choose a {what} under those prefixes, or add its bucket to {ALLOWED_URLS_ENV}",
+        )
+    return url
 
 
 def writer_tag() -> str:

@@ -271,7 +271,7 @@ def _result(
         kind=decl.kind,
         impl=decl.impl,
         key=key,
-        root=str(store.root),
+        root=store.location,
         tile=tile,
         meta={**art.meta, **(extra_meta or {})},
     )

@@ -9,8 +9,8 @@ An artifact whose files are missing or fail their checksum is moved aside to
 ``corrupt/`` and reported as absent, so the stage is recomputed.
 
 The store is a POSIX folder: local, or a shared mount (NFS, Lustre) that every
-Dask worker sees at the same path. Object stores are not supported because
-they have no atomic rename, which is what makes concurrent writers safe.
+Dask worker sees at the same path; or a bucket (:class:`BucketStore`), for
+workers that share no disk.
 """
 
 from __future__ import annotations
@@ -33,8 +33,14 @@ import xxhash
 
 from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.errors import StoreError
-from gridsolve.stages.engine.hashing import hash_file
-from gridsolve.stages.engine.paths import ensure_allowed, owner_is_dead, writer_tag
+from gridsolve.stages.engine import remote
+from gridsolve.stages.engine.hashing import hash_file, hash_text
+from gridsolve.stages.engine.paths import (
+    ensure_allowed,
+    ensure_allowed_url,
+    owner_is_dead,
+    writer_tag,
+)
 
 log = logging.getLogger("gridsolve.store")
 
@@ -136,6 +142,9 @@ class Store:
 
     def __init__(self, root: str | Path) -> None:
         self.root = ensure_allowed(root, "cache folder")
+        self._setup()
+
+    def _setup(self) -> None:
         try:
             for sub in ("objects", "tmp", "corrupt"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -152,6 +161,11 @@ class Store:
         self._sweep_tmp()
 
     # ------------------------------------------------------------------ layout
+    @property
+    def location(self) -> str:
+        """Where the store is, as the user named it (a folder, or a bucket URL)."""
+        return str(self.root)
+
     def path(self, key: str) -> Path:
         """Folder of the artifact with ``key``."""
         return self.root / "objects" / key[:2] / key
@@ -313,3 +327,127 @@ class Store:
         self.quarantine(key, why)
         os.rename(tmp, final)
         return True
+
+
+class BucketStore(Store):
+    """A store in an object-store bucket (``s3://bucket/prefix``), read through a local copy.
+
+    Object stores have no rename, so publication is by order: an artifact's
+    arrays are uploaded under names that are their xxh3 checksums, then its
+    manifest, last; an artifact without a manifest does not exist. Two writers
+    of one key upload to distinct names (or the same bytes under the same
+    name), so the manifest that lands last always names whole arrays. A reader
+    downloads the arrays into this host's copy of the store (under
+    ``GRIDSOLVE_MIRROR``) and checks each against the manifest's size and
+    checksum before use; a bad artifact is deleted from the bucket and
+    recomputed. Arrays left by a writer that lost the race stay in the bucket
+    (never read; ``aws s3 rm`` cleans them).
+    """
+
+    def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
+        self.url = ensure_allowed_url(url.rstrip("/"), "cache URL")
+        self.options = dict(options or {})
+        remote.probe_writable(self.url, self.options, "cache", StoreError, None)
+        self.root = bucket_mirror(self.url)
+        self._setup()
+
+    @property
+    def location(self) -> str:
+        """The bucket URL."""
+        return self.url
+
+    def _remote(self, key: str) -> str:
+        return f"{self.url}/objects/{key[:2]}/{key}"
+
+    def _translated(self, key: str) -> contextlib.AbstractContextManager[None]:
+        return remote.translated(
+            self._remote(key), "cache artifact", StoreError, None, self.options
+        )
+
+    def check(self, key: str) -> tuple[Status, str]:
+        """Like :meth:`Store.check`; an artifact only in the bucket is downloaded and checked."""
+        status, why = super().check(key)
+        if status == "hit":
+            return status, why
+        if status == "corrupt":
+            super().quarantine(key, why)  # this host's copy is bad: the bucket's may be whole
+        return self._download(key)
+
+    def _download(self, key: str) -> tuple[Status, str]:
+        fs = remote.filesystem(self.url, self.options)
+        base = self._remote(key)
+        with self._translated(key):
+            try:
+                text = fs.cat_file(f"{base}/{MANIFEST}")
+            except FileNotFoundError:
+                return "miss", ""
+            try:
+                manifest = json.loads(text)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                return "corrupt", f"unreadable manifest in the bucket: {exc}"
+            if manifest.get("format") != FORMAT or manifest.get("key") != key:
+                return "corrupt", "manifest in the bucket of another key or format"
+            with self.scratch() as tmp:
+                for name, info in manifest["files"].items():
+                    try:
+                        fs.get_file(f"{base}/{info['file']}", str(tmp / info["file"]))
+                    except FileNotFoundError:
+                        return "corrupt", f"array {name!r} missing in the bucket"
+                    if (tmp / info["file"]).stat().st_size != info["size"] or hash_file(
+                        tmp / info["file"]
+                    ) != info["xxh3"]:
+                        return "corrupt", f"array {name!r} in the bucket fails its checksum"
+                (tmp / MANIFEST).write_text(text if isinstance(text, str) else text.decode())
+                final = self.path(key)
+                final.parent.mkdir(parents=True, exist_ok=True)
+                if self._publish(tmp, final, key):
+                    self._remember(final, manifest["files"])
+        return "hit", ""
+
+    def put(self, key: str, output: StageOutput, info: Mapping[str, Any]) -> Artifact:
+        """Store ``output`` in this host's copy, then publish it to the bucket (manifest last)."""
+        art = super().put(key, output, info)
+        fs = remote.filesystem(self.url, self.options)
+        base = self._remote(key)
+        manifest = json.loads((art.path / MANIFEST).read_text())
+        with self._translated(key):
+            fs.invalidate_cache()
+            if fs.exists(f"{base}/{MANIFEST}"):
+                return art  # another writer published it first
+            files = {}
+            for name, f in manifest["files"].items():
+                target = f"{base}/{f['xxh3']}.npy"
+                fs.put_file(str(art.path / f["file"]), target)
+                got = remote.object_identity(target, self.options)
+                if got["size"] != f["size"]:
+                    raise StoreError(
+                        f"the upload of cache artifact {key} array {name!r} has "
+                        f"{got['size']} bytes, expected {f['size']}",
+                        fix="rerun; if it repeats, check the object store",
+                        transient=True,
+                    )
+                files[name] = {**f, "file": f"{f['xxh3']}.npy"}
+            text = json.dumps({**manifest, "files": files}, sort_keys=True, allow_nan=True)
+            fs.pipe_file(f"{base}/{MANIFEST}", text.encode())
+        return art
+
+    def quarantine(self, key: str, why: str) -> None:
+        """Drop a bad artifact here and in the bucket (manifest first), so it is recomputed."""
+        super().quarantine(key, why)
+        fs = remote.filesystem(self.url, self.options)
+        base = self._remote(key)
+        with self._translated(key), contextlib.suppress(FileNotFoundError):
+            fs.rm(f"{base}/{MANIFEST}")
+            fs.rm(base, recursive=True)
+
+
+def bucket_mirror(url: str) -> Path:
+    """The local folder of the bucket store at ``url`` on this host (copies, scratch, records)."""
+    return remote.mirror_root() / "cache" / hash_text(url.rstrip("/"))[:20]
+
+
+def open_store(root: str, options: Mapping[str, Any] | None = None) -> Store:
+    """The store at ``root``: a local (or shared) folder, or a bucket URL."""
+    if remote.is_url(root):
+        return BucketStore(root, options)
+    return Store(root)

@@ -8,9 +8,11 @@ the grid and do not overlap.
 
 The cache key of a file set covers the bytes of every file, in the order the
 cube uses them. Each file's digest is kept on disk against its identity
-(inode, size, mtime, ctime: a file rewritten, replaced or touched gets a new
-ctime, which user tools cannot set back), so a rerun over an archive where one
-file was added hashes that file only.
+(device, inode, size, mtime, ctime: a file rewritten, replaced or touched gets
+a new ctime, which user tools cannot set back), so a rerun over an archive
+where one file was added hashes that file only. A file changed less than 2 s
+before it was hashed is hashed again next time: on a file system with coarse
+timestamps it could change again without changing its identity.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import itertools
 import json
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,7 @@ import numpy as np
 import xarray as xr
 
 from gridsolve.schemas.errors import ContractError, InputError
+from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.hashing import canonical_json, file_identity, hash_file, hash_text
 from gridsolve.stages.engine.paths import atomic_file
 
@@ -42,14 +46,17 @@ def is_glob(path: str) -> bool:
     return any(c in _MAGIC for c in path)
 
 
-def is_zarr(path: str) -> bool:
-    """Whether ``path`` is a Zarr store (a folder with Zarr metadata)."""
+def is_zarr(path: str, options: Mapping[str, Any] | None = None) -> bool:
+    """Whether ``path`` is a Zarr store (a folder, or a URL prefix, with Zarr metadata)."""
+    if remote.is_url(path):
+        with remote.translated(path, "input", InputError, STAGE, options):
+            return any(remote.exists(f"{path.rstrip('/')}/{m}", options) for m in ZARR_MARKERS)
     p = Path(path)
     return p.is_dir() and any((p / m).exists() for m in ZARR_MARKERS)
 
 
-def expand(path: str | Sequence[str]) -> list[str]:
-    """The absolute paths ``load.path`` names, globs expanded (sorted), in order, no repeats.
+def expand(path: str | Sequence[str], options: Mapping[str, Any] | None = None) -> list[str]:
+    """The absolute paths (or URLs) ``load.path`` names, globs expanded (sorted), no repeats.
 
     InputError if a glob matches nothing or the list is empty.
     """
@@ -58,14 +65,22 @@ def expand(path: str | Sequence[str]) -> list[str]:
         raise InputError("load.path is an empty list", stage=STAGE, fix="list at least one file")
     out: list[str] = []
     for item in items:
-        item = os.path.abspath(os.path.expanduser(item))
-        if is_glob(item) and not os.path.exists(item):  # a folder may be named "exp[2]"
-            matches = sorted(glob.glob(item))
+        url = remote.is_url(item)
+        if not url:
+            item = os.path.abspath(os.path.expanduser(item))
+        if is_glob(item) and (url or not os.path.exists(item)):  # a folder may be "exp[2]"
+            if url:
+                with remote.translated(item, "input", InputError, STAGE, options):
+                    matches = remote.glob(item, options)
+            else:
+                matches = sorted(glob.glob(item))
             if not matches:
                 raise InputError(
-                    f"load.path {item!r} matches no file",
+                    f"load.path {item!r} matches no {'object' if url else 'file'}",
                     stage=STAGE,
-                    fix="check the pattern and the folder (relative paths are resolved "
+                    fix="check the pattern and the bucket's prefix (keys are case-sensitive)"
+                    if url
+                    else "check the pattern and the folder (relative paths are resolved "
                     "against the config file's folder)",
                 )
             out += matches
@@ -74,8 +89,11 @@ def expand(path: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def store_files(store: str) -> list[str]:
+def store_files(store: str, options: Mapping[str, Any] | None = None) -> list[str]:
     """Every file inside a Zarr store, sorted (what its digest covers)."""
+    if remote.is_url(store):
+        with remote.translated(store, "Zarr store", InputError, STAGE, options):
+            return list(remote.find(store, options))
     found = []
     for root, _dirs, names in os.walk(store):
         found += [os.path.join(root, n) for n in names]
@@ -84,6 +102,9 @@ def store_files(store: str) -> list[str]:
 
 # ---------------------------------------------------------------- digests
 _DIGEST_LOCK = threading.Lock()
+#: A file's digest is remembered only once it has been unchanged this long (2 s: FAT's
+#: timestamp resolution; ext4, XFS and NFSv4 keep nanoseconds).
+RACY_NS = 2_000_000_000
 
 
 def _digest_file(path: str, cache: Path | None) -> tuple[dict[str, int], str]:
@@ -100,7 +121,10 @@ def _digest_file(path: str, cache: Path | None) -> tuple[dict[str, int], str]:
     digest = hash_file(path)
     if file_identity(path) != ident:  # changed while it was read: do not remember it
         return file_identity(path), hash_file(path)
-    if entry is not None:
+    # A file changed within the file system's timestamp resolution of now could change
+    # again with the same identity (coarse mtime/ctime): hash it again next time ("racy").
+    settled = time.time_ns() - max(ident["mtime_ns"], ident["ctime_ns"]) > RACY_NS
+    if entry is not None and settled:
         with _DIGEST_LOCK:
             try:
                 with atomic_file(entry) as tmp:
@@ -110,8 +134,25 @@ def _digest_file(path: str, cache: Path | None) -> tuple[dict[str, int], str]:
     return ident, digest
 
 
+def remote_digests(
+    files: Sequence[str], options: Mapping[str, Any] | None, store: str | None = None
+) -> dict[str, dict[str, Any]]:
+    """Each object's identity (size, ETag) and a digest of it, in order; nothing downloaded.
+
+    A store's objects are listed in one call; single objects are asked one by one.
+    """
+    where = store or (files[0] if files else "")
+    with remote.translated(where, "input file", InputError, STAGE, options):
+        if store is not None:
+            listed = remote.find(store, options)
+            idents = {f: listed[f] for f in files}
+        else:
+            idents = {f: remote.object_identity(f, options) for f in files}
+    return {f: {"identity": i, "digest": remote.object_digest(i)} for f, i in idents.items()}
+
+
 def digests(files: Sequence[str], cache: Path | None) -> dict[str, dict[str, Any]]:
-    """Each file's identity and byte digest (``{"identity": …, "digest": …}``), in order."""
+    """Each local file's identity and byte digest (``{"identity": …, "digest": …}``), in order."""
     out: dict[str, dict[str, Any]] = {}
     for f in files:
         try:
@@ -135,10 +176,16 @@ def digests(files: Sequence[str], cache: Path | None) -> dict[str, dict[str, Any
 
 def set_digest(per_file: dict[str, dict[str, Any]], root: str | None = None) -> str:
     """One digest of a file set: each file's bytes digest, in order, named relative to ``root``."""
-    names = [os.path.relpath(f, root) if root else "" for f in per_file]
+    names = [_relative(f, root) if root else "" for f in per_file]
     return hash_text(
         canonical_json([[n, d["digest"]] for n, d in zip(names, per_file.values(), strict=True)])
     )
+
+
+def _relative(path: str, root: str) -> str:
+    if remote.is_url(root):
+        return path[len(root.rstrip("/")) + 1 :]
+    return os.path.relpath(path, root)
 
 
 # ---------------------------------------------------------------- combining

@@ -38,6 +38,7 @@ from gridsolve.schemas.contracts import numeric_kind
 from gridsolve.schemas.errors import ContractError, GridsolveError, InputError, StageError
 from gridsolve.schemas.kinds.load import DemoLoad, IndexRange, LabelRange, NetCDFLoad
 from gridsolve.schemas.pipeline import suggest
+from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.hashing import (
     ArrayHasher,
@@ -137,6 +138,8 @@ class Source:
     files: tuple[str, ...] = ()
     obs_dim: str = ""
     zarr: bool = False
+    #: ``load.storage_options`` as canonical JSON, for URLs (never credentials)
+    options: str = ""
 
     def __str__(self) -> str:
         if len(self.files) > 1:
@@ -150,6 +153,8 @@ class Source:
             out.update(files=list(self.files), obs_dim=self.obs_dim)
         if self.zarr:
             out["zarr"] = True
+        if self.options:
+            out["options"] = self.options
         return out
 
     @classmethod
@@ -161,6 +166,7 @@ class Source:
             files=tuple(d.get("files") or ()),
             obs_dim=str(d.get("obs_dim", "")),
             zarr=bool(d.get("zarr", False)),
+            options=str(d.get("options", "")),
         )
 
     def indexers(self) -> dict[str, Any]:
@@ -174,10 +180,16 @@ class Source:
     def open(self, raw: bool = False) -> xr.Dataset:
         """The whole dataset, decoded or (``raw``) as stored; close with :meth:`close`."""
         if self.zarr:
-            return _open_zarr(self.path, raw)
+            return _open_zarr(self.path, raw, self.storage_options)
         if len(self.files) > 1:
-            return _open_files(self.files, self.obs_dim, raw)
-        return _open_raw_file(self.path) if raw else open_netcdf(self.path)
+            return _open_files(self.files, self.obs_dim, raw, self.options)
+        path = local(self.path, self.storage_options)
+        return _open_raw_file(path) if raw else open_netcdf(path)
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """``load.storage_options`` of the URLs."""
+        return dict(json.loads(self.options)) if self.options else {}
 
     def open_selected(self, raw: bool = False) -> xr.Dataset:
         """The selected sub-cube, decoded or (``raw``) as stored; close with :meth:`close`."""
@@ -189,11 +201,17 @@ class Source:
             ds.close()
 
 
-def _open_zarr(store: str, raw: bool) -> xr.Dataset:
+def local(path: str, options: Mapping[str, Any] | None = None) -> str:
+    """``path``, or for a URL a verified local copy of the object (NetCDF needs a file)."""
+    return remote.local_copy(path, options) if remote.is_url(path) else path
+
+
+def _open_zarr(store: str, raw: bool, options: Mapping[str, Any] | None = None) -> xr.Dataset:
     try:
         with _OPEN_LOCK:
             ds: xr.Dataset = xr.open_zarr(
                 store,
+                storage_options=remote.storage_options(options) if remote.is_url(store) else None,
                 chunks=None,
                 mask_and_scale=not raw,
                 decode_times=not raw,
@@ -213,7 +231,10 @@ def _open_zarr(store: str, raw: bool) -> xr.Dataset:
 _OPENED: dict[tuple[tuple[str, ...], bool, str], xr.Dataset] = {}
 
 
-def _open_files(files: tuple[str, ...], obs_dim: str, raw: bool) -> xr.Dataset:
+def _open_files(files: tuple[str, ...], obs_dim: str, raw: bool, options: str = "") -> xr.Dataset:
+    opts = json.loads(options) if options else {}
+    if any(remote.is_url(f) for f in files):
+        files = tuple(local(f, opts) for f in files)  # per object version: a new one, a new path
     ident = canonical_json([file_identity(f) for f in files])
     key = (files, raw, ident)
     with _OPEN_LOCK:
@@ -1230,7 +1251,19 @@ def _same_content(src: Mapping[str, Any], content_hash: str, now: Mapping[str, i
 
 def _set_changed(src: Mapping[str, Any]) -> str | None:
     """The first file of a file set or Zarr store whose bytes differ from what ``locate`` saw."""
-    for f, seen in (src.get("files") or {}).items():
+    files: Mapping[str, Any] = src.get("files") or {}
+    if any(remote.is_url(f) for f in files):
+        base = Source.from_description(src["source"])
+        try:
+            store = base.path if base.zarr else None
+            listed = filesets.remote_digests(list(files), base.storage_options, store)
+        except (InputError, KeyError):
+            listed = {}
+        for f, seen in files.items():
+            if f not in listed or listed[f]["identity"] != seen["identity"]:
+                return str(f)
+        return None
+    for f, seen in files.items():
         try:
             now = file_identity(f)
         except FileNotFoundError:
@@ -1322,6 +1355,8 @@ def read_block(meta: Mapping[str, Any], role: str, tile: Tile) -> np.ndarray:
 def _single(config: NetCDFLoad) -> str | None:
     """The one NetCDF file ``load.path`` names, or None for a file set or a Zarr store."""
     if isinstance(config.path, str) and not filesets.is_glob(config.path):
+        if remote.is_url(config.path):
+            return None  # objects are keyed by their ETags, as a set of one
         path = os.path.abspath(os.path.expanduser(config.path))
         return None if filesets.is_zarr(path) else path
     return None
@@ -1329,10 +1364,11 @@ def _single(config: NetCDFLoad) -> str | None:
 
 def _members(config: NetCDFLoad) -> tuple[list[str], str | None]:
     """The files a file set or Zarr store consists of, and the store (None for a file set)."""
-    found = filesets.expand(config.path)
-    if len(found) == 1 and filesets.is_zarr(found[0]):
-        return filesets.store_files(found[0]), found[0]
-    stores = [f for f in found if filesets.is_zarr(f)]
+    opts = config.storage_options
+    found = filesets.expand(config.path, opts)
+    if len(found) == 1 and filesets.is_zarr(found[0], opts):
+        return filesets.store_files(found[0], opts), found[0]
+    stores = [f for f in found if filesets.is_zarr(f, opts)]
     if stores:
         raise ContractError(
             f"load.path names {len(stores)} Zarr store(s) ({stores[0]}, …) and "
@@ -1350,7 +1386,10 @@ def _digest_cache(ctx: StageContext) -> Path:
 def _set_facts(config: NetCDFLoad, ctx: StageContext) -> tuple[dict[str, Any], str, str | None]:
     """Per-file identities and digests of a file set or store, its one digest, and the store."""
     members, store = _members(config)
-    per = filesets.digests(members, _digest_cache(ctx))
+    if any(remote.is_url(m) for m in members):
+        per = filesets.remote_digests(members, config.storage_options, store)
+    else:
+        per = filesets.digests(members, _digest_cache(ctx))
     if store is not None:
         digest = filesets.set_digest(per, store)
     else:
@@ -1360,10 +1399,11 @@ def _set_facts(config: NetCDFLoad, ctx: StageContext) -> tuple[dict[str, Any], s
 
 
 @functools.lru_cache(maxsize=8)
-def _file_set(config_json: str, files: tuple[str, ...], ident_json: str) -> Source:
+def _file_set(config_json: str, files: tuple[str, ...], ident_json: str, options: str) -> Source:
     """The file set as one source: the cube's obs dim and the files in observation order."""
     config = NetCDFLoad.model_validate({**json.loads(config_json), "path": list(files)})
-    datasets = [open_netcdf(f, chunks={}) for f in files]
+    opts = json.loads(options)
+    datasets = [open_netcdf(local(f, opts), chunks={}) for f in files]
     try:
         var = _set_cube_name(config, datasets, files)
         filesets.check_holds(datasets, files, var)
@@ -1382,7 +1422,7 @@ def _file_set(config_json: str, files: tuple[str, ...], ident_json: str) -> Sour
         for ds in datasets:
             ds.close()
     ordered = tuple(files[i] for i in order)
-    return Source(ordered[0], files=ordered, obs_dim=obs)
+    return Source(ordered[0], files=ordered, obs_dim=obs, options=options if opts else "")
 
 
 def _set_cube_name(config: NetCDFLoad, datasets: list[xr.Dataset], files: tuple[str, ...]) -> str:
@@ -1409,13 +1449,14 @@ def _set_cube_name(config: NetCDFLoad, datasets: list[xr.Dataset], files: tuple[
 
 
 def _base(config: NetCDFLoad, per: Mapping[str, Any], store: str | None) -> Source:
+    options = canonical_json(config.storage_options) if config.storage_options else ""
     if store is not None:
-        return Source(store, zarr=True)
+        return Source(store, zarr=True, options=options)
     files = tuple(per)
     if len(files) == 1:
-        return Source(files[0])
+        return Source(files[0], options=options)
     ident = canonical_json([v["identity"] for v in per.values()])
-    return _file_set(canonical_json(config.key_payload()), files, ident)
+    return _file_set(canonical_json(config.key_payload()), files, ident, options or "{}")
 
 
 def check_opens(config: NetCDFLoad) -> None:
@@ -1426,10 +1467,10 @@ def check_opens(config: NetCDFLoad) -> None:
         return
     members, store = _members(config)
     if store is not None:
-        _open_zarr(store, raw=False).close()
+        _open_zarr(store, raw=False, options=config.storage_options).close()
         return
     for f in members:
-        open_netcdf(f).close()
+        open_netcdf(local(f, config.storage_options)).close()
 
 
 # ---------------------------------------------------------------- the stage

@@ -13,10 +13,12 @@ timings) go to the Prefect artifacts instead.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,10 +30,16 @@ import xarray as xr
 from gridsolve.schemas.contracts import MODEL_STATUS_FLAGS, STATUS_FLAGS
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
 from gridsolve.schemas.kinds.write import NetCDFWrite, ZarrWrite
+from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.contract import contract_of
 from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
-from gridsolve.stages.engine.paths import atomic_file, ensure_allowed, sweep_dead_temporaries
+from gridsolve.stages.engine.paths import (
+    atomic_file,
+    ensure_allowed,
+    ensure_allowed_url,
+    sweep_dead_temporaries,
+)
 from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
 from gridsolve.stages.engine.versions import package_versions
@@ -55,6 +63,62 @@ def _free_bytes(folder: Path) -> int:
     except OSError:
         return 2**62
     return st.f_bavail * st.f_frsize
+
+
+def check_output_url(
+    url: str, overwrite: bool, options: Mapping[str, Any], folder: bool = False
+) -> str:
+    """The output URL; OutputError if its bucket is missing or refuses us, or it is not replaceable.
+
+    ``folder``: the output is a prefix (a Zarr store), replaced as a whole.
+    """
+    url = ensure_allowed_url(url.rstrip("/"), "output URL", STAGE)
+    parent = url.rsplit("/", 1)[0]
+    remote.probe_writable(parent, options, "output", OutputError, STAGE, shown=url)
+    with remote.translated(url, "output", OutputError, STAGE, options):
+        objects = remote.find(url, options)
+        is_store = f"{url}/.zmetadata" in objects
+        is_object = url in objects
+    if folder and is_object:
+        raise OutputError(
+            f"output URL {url} is an object, not a Zarr store",
+            stage=STAGE,
+            fix="set write.path to a new name (e.g. s3://bucket/out.zarr), or remove the object",
+        )
+    if objects and not is_object and not (folder and is_store):
+        raise OutputError(
+            f"output URL {url} is a prefix holding objects that are not "
+            f"{'a gridsolve Zarr store' if folder else 'one file'}; they are left as they are",
+            stage=STAGE,
+            fix="set write.path to a new name",
+        )
+    if objects and not overwrite:
+        raise OutputError(
+            f"output {url} exists and write.overwrite is false",
+            stage=STAGE,
+            fix="remove it, set write.overwrite: true, or template write.path with {flow_run_name}",
+        )
+    return url
+
+
+def check_write_target(config: Any) -> None:
+    """Before any work: a bucket output's bucket exists, takes our writes, may be replaced.
+
+    Local outputs are checked by the writer (their folder is made then); a
+    plugin writer's config without ``path``/``overwrite`` is left to the plugin.
+    """
+    if isinstance(config, NetCDFWrite | ZarrWrite) and remote.is_url(config.path):
+        check_output_url(
+            config.path,
+            config.overwrite,
+            config.storage_options,
+            folder=isinstance(config, ZarrWrite),
+        )
+
+
+def staging_path(url: str) -> Path:
+    """The local file an output for ``url`` is written to on this host before the upload."""
+    return remote.mirror_root() / "outputs" / hash_text(url)[:20] / url.rsplit("/", 1)[-1]
 
 
 def check_output_path(path: str, overwrite: bool, folder: bool = False) -> Path:
@@ -851,11 +915,57 @@ def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> St
     """Write the output NetCDF; the stored artifact records its size and checksum."""
     attrs = run_attrs(config, inputs, ctx)
     tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
+    if remote.is_url(config.path):
+        return _run_to_url(config, inputs, tiled, attrs)
     path = write_netcdf(config, inputs["load"], inputs["design"], tiled, attrs, inputs.get("train"))
     meta: dict[str, Any] = file_facts(path)
     if "train" in inputs:
         meta["weights"] = file_facts(weights_path(path))
     return StageOutput(meta=meta)
+
+
+def _run_to_url(
+    config: NetCDFWrite,
+    inputs: Mapping[str, Any],
+    tiled: Mapping[str, TiledArtifact],
+    attrs: Mapping[str, Any],
+) -> StageOutput:
+    """Write the output locally, then upload it (and the weights) verified; nothing partial."""
+    options = config.storage_options
+    url = check_output_url(config.path, config.overwrite, options)
+    local = staging_path(url)
+    uploaded: list[str] = []
+    try:
+        path = write_netcdf(
+            config.model_copy(update={"path": str(local)}),
+            inputs["load"],
+            inputs["design"],
+            tiled,
+            attrs,
+            inputs.get("train"),
+        )
+        remote.upload(path, url, options, "output file")
+        uploaded.append(url)
+        meta: dict[str, Any] = url_facts(url, options)
+        if "train" in inputs:
+            weights = f"{url}.weights.safetensors"
+            remote.upload(weights_path(path), weights, options, "trained weights")
+            uploaded.append(weights)
+            meta["weights"] = url_facts(weights, options)
+    except BaseException:
+        for done in uploaded:  # a run that failed leaves no new output behind
+            with contextlib.suppress(Exception):
+                remote.remove(done, options)
+        raise
+    finally:
+        shutil.rmtree(local.parent, ignore_errors=True)
+    return StageOutput(meta=meta)
+
+
+def url_facts(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """URL, size and ETag of an object the writer made, and how to reach it (no credentials)."""
+    ident = remote.object_identity(url, options)
+    return {"path": url, **ident, "storage_options": dict(options)}
 
 
 def file_facts(path: Path) -> dict[str, Any]:
@@ -864,6 +974,12 @@ def file_facts(path: Path) -> dict[str, Any]:
 
 
 def _unchanged(facts: Mapping[str, Any]) -> bool:
+    if remote.is_url(facts["path"]):
+        try:
+            now = remote.object_identity(facts["path"], facts.get("storage_options"))
+        except Exception:  # gone, or unreachable: write it again
+            return False
+        return bool(now == {k: facts.get(k) for k in now})
     p = Path(facts["path"])
     try:
         return bool(p.stat().st_size == facts["size"] and file_digest(p) == facts["xxh3"])

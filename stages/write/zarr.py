@@ -13,7 +13,10 @@ a store without ``.zmetadata`` is not a complete gridsolve output.
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +27,7 @@ import zarr
 
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
 from gridsolve.schemas.kinds.write import ZarrWrite
+from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
 from gridsolve.stages.engine.paths import atomic_folder, sweep_dead_temporaries
@@ -110,18 +114,28 @@ def _write_tiles(
     """
     yx = (meta["y_dim"], meta["x_dim"])
     lead_dims = list(meta.get("lead_dims") or [])
-    with zarr.config.set({"array.write_empty_chunks": True}):
+    arrays = {v["name"]: group[v["name"]] for v in variables}
+
+    def write(v: Mapping[str, Any], arts: Mapping[str, Artifact], at: tuple[Any, ...]) -> None:
+        data = nc_writer.tile_data(arts, v)
+        if "flat_from" in v:
+            data = data.reshape(-1, *data.shape[-2:])
+        array = arrays[v["name"]]
+        assert isinstance(array, zarr.Array)
+        array[at] = data
+
+    # The variables of a tile are written at once (each is its own array, so no two
+    # writes share a chunk; two tiles may share one, so tiles go one after the other).
+    with (
+        zarr.config.set({"array.write_empty_chunks": True}),
+        ThreadPoolExecutor(max_workers=min(8, len(variables))) as pool,
+    ):
         for i, tile in enumerate(plan):
             arts = {kind: art.tiles[i][1] for kind, art in tiled.items()}
             window = plane_window(meta, tile)
             at = (..., *(window[d] for d in lead_dims), window[yx[0]], window[yx[1]])
-            for v in variables:
-                data = nc_writer.tile_data(arts, v)
-                if "flat_from" in v:
-                    data = data.reshape(-1, *data.shape[-2:])
-                array = group[v["name"]]
-                assert isinstance(array, zarr.Array)
-                array[at] = data
+            for done in [pool.submit(write, v, arts, at) for v in variables]:
+                done.result()
 
 
 def write_zarr(
@@ -131,33 +145,16 @@ def write_zarr(
     tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
     train: Artifact | None = None,
-) -> Path:
+) -> Path | str:
     """Write the output store (complete, then renamed into place) and return its path."""
+    if remote.is_url(config.path):
+        return _write_to_url(config, load, design, tiled, attrs, train)
     final = nc_writer.check_output_path(config.path, config.overwrite, folder=True)
     sweep_dead_temporaries(final)
-    variables = nc_writer.output_variables(load, design, tiled, config.layout)
-    plans = [[tile for tile, _ in art.tiles] for art in tiled.values()]
-    if any(p != plans[0] for p in plans):
-        raise ContractError(
-            "the tiled inputs of the writer were computed on different tile plans",
-            stage=STAGE,
-            fix="rerun: every tiled stage of one run uses the run's tile plan",
-        )
-    meta = load.meta
+    _plan(tiled)
     try:
         with atomic_folder(final) as tmp:
-            base = nc_writer.skeleton(load, design, attrs)
-            if train is not None:
-                nc_writer.add_training(base, train, load)
-            first = {kind: art.tiles[0][1] for kind, art in tiled.items()}
-            template = _template(config, load, variables, first, base)
-            template.to_zarr(
-                str(tmp), mode="w", compute=False, consolidated=False, zarr_format=ZARR_FORMAT
-            )
-            group = zarr.open_group(str(tmp), mode="r+", zarr_format=ZARR_FORMAT)
-            _write_tiles(group, variables, tiled, plans[0], meta)
-            # Last: the mark of a complete store.
-            zarr.consolidate_metadata(str(tmp), zarr_format=ZARR_FORMAT)
+            _fill(str(tmp), None, config, load, design, tiled, attrs, train)
         if train is not None:
             nc_writer.write_weights(train, final)
     except GridsolveError:
@@ -170,6 +167,105 @@ def write_zarr(
             fix="check write.path and the free space; nothing was written under the final name",
         ) from exc
     return final
+
+
+def _plan(tiled: Mapping[str, TiledArtifact]) -> list[Any]:
+    """The tile plan every tiled input shares; ContractError if they differ."""
+    plans = [[tile for tile, _ in art.tiles] for art in tiled.values()]
+    if any(p != plans[0] for p in plans):
+        raise ContractError(
+            "the tiled inputs of the writer were computed on different tile plans",
+            stage=STAGE,
+            fix="rerun: every tiled stage of one run uses the run's tile plan",
+        )
+    return plans[0]
+
+
+def _fill(
+    store: str,
+    options: Mapping[str, Any] | None,
+    config: ZarrWrite,
+    load: Artifact,
+    design: Artifact,
+    tiled: Mapping[str, TiledArtifact],
+    attrs: Mapping[str, Any],
+    train: Artifact | None,
+) -> None:
+    """Metadata, then every tile's chunks, then the consolidated metadata (last) into ``store``."""
+    variables = nc_writer.output_variables(load, design, tiled, config.layout)
+    plan = _plan(tiled)
+    base = nc_writer.skeleton(load, design, attrs)
+    if train is not None:
+        nc_writer.add_training(base, train, load)
+    first = {kind: art.tiles[0][1] for kind, art in tiled.items()}
+    template = _template(config, load, variables, first, base)
+    so = remote.storage_options(options) if options is not None else None
+    template.to_zarr(
+        store,
+        mode="w",
+        compute=False,
+        consolidated=False,
+        zarr_format=ZARR_FORMAT,
+        storage_options=so,
+    )
+    group = zarr.open_group(store, mode="r+", zarr_format=ZARR_FORMAT, storage_options=so)
+    _write_tiles(group, variables, tiled, plan, load.meta)
+    # Last: the mark of a complete store.
+    zarr.consolidate_metadata(group.store, zarr_format=ZARR_FORMAT)
+
+
+def _write_to_url(
+    config: ZarrWrite,
+    load: Artifact,
+    design: Artifact,
+    tiled: Mapping[str, TiledArtifact],
+    attrs: Mapping[str, Any],
+    train: Artifact | None,
+) -> str:
+    """Write the store straight into the bucket; ``.zmetadata`` goes first out and last in.
+
+    A bucket has no rename: the old store's ``.zmetadata`` is deleted before
+    anything else changes, so from then on readers that honour it (gridsolve,
+    ``xarray.open_zarr(consolidated=True)``) see no complete store until the
+    new one's ``.zmetadata`` lands, last. A failure deletes what was written.
+    """
+    options = config.storage_options
+    url = nc_writer.check_output_url(config.path, config.overwrite, options, folder=True)
+    _plan(tiled)  # before the old store is touched
+    weights = f"{url}.weights.safetensors"
+    with remote.translated(url, "output", OutputError, STAGE, options):
+        remote.remove(f"{url}/.zmetadata", options)
+        remote.remove(url, options)
+        remote.remove(weights, options)
+        try:
+            _fill(url, options, config, load, design, tiled, attrs, train)
+            if train is not None:
+                local = nc_writer.staging_path(weights)
+                try:
+                    local.parent.mkdir(parents=True, exist_ok=True)
+                    nc_writer.write_weights(train, local.with_name(url.rsplit("/", 1)[-1]))
+                    remote.upload(local, weights, options, "trained weights")
+                finally:
+                    shutil.rmtree(local.parent, ignore_errors=True)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                remote.remove(f"{url}/.zmetadata", options)
+                remote.remove(url, options)
+                remote.remove(weights, options)
+            raise
+    return url
+
+
+def _url_facts(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """URL, size and a digest of every object's ETag of a store in a bucket."""
+    objects = remote.find(url, options)
+    digests = [[u[len(url) + 1 :], i["etag"], i["size"]] for u, i in objects.items()]
+    return {
+        "path": url,
+        "size": sum(i["size"] for i in objects.values()),
+        "xxh3": hash_text(canonical_json(digests)),
+        "storage_options": dict(options),
+    }
 
 
 def _store_facts(path: Path) -> dict[str, Any]:
@@ -185,6 +281,15 @@ def _store_facts(path: Path) -> dict[str, Any]:
 
 def still_valid(meta: Mapping[str, Any]) -> bool:
     """Whether the store (and the trained weights) a stored write artifact describes are intact."""
+    if remote.is_url(meta["path"]):
+        try:
+            if _url_facts(meta["path"], meta.get("storage_options") or {}) != dict(
+                {k: v for k, v in meta.items() if k != "weights"}
+            ):
+                return False
+        except Exception:  # gone or unreachable: write it again
+            return False
+        return "weights" not in meta or nc_writer.still_valid(meta["weights"])
     p = Path(meta["path"])
     try:
         if not p.is_dir() or _store_facts(p) != {k: meta[k] for k in ("path", "size", "xxh3")}:
@@ -199,7 +304,14 @@ def run(config: ZarrWrite, inputs: Mapping[str, Any], ctx: StageContext) -> Stag
     attrs = nc_writer.run_attrs(config, inputs, ctx)
     tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
     path = write_zarr(config, inputs["load"], inputs["design"], tiled, attrs, inputs.get("train"))
-    meta: dict[str, Any] = _store_facts(path)
+    if isinstance(path, str):
+        meta: dict[str, Any] = _url_facts(path, config.storage_options)
+        if "train" in inputs:
+            meta["weights"] = nc_writer.url_facts(
+                f"{path}.weights.safetensors", config.storage_options
+            )
+        return StageOutput(meta=meta)
+    meta = _store_facts(path)
     if "train" in inputs:
         meta["weights"] = nc_writer.file_facts(nc_writer.weights_path(path))
     return StageOutput(meta=meta)

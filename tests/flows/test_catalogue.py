@@ -321,3 +321,59 @@ def test_disk_full_during_write(
     assert "no space left" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "out" / "result.nc").exists()
     assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+# ---------------------------------------------------------------- object storage
+BUCKET_CASES: dict[str, tuple[str, list[str]]] = {
+    "input bucket missing": ("load", ["input error: [load", "bucket 'no-such-bucket'"]),
+    "output bucket missing": (
+        "write",
+        ["output error: [write", "bucket 'no-such-bucket' of output s3://no-such-bucket/out/"],
+    ),
+    "cache bucket missing": ("cache", ["store error:", "bucket 'no-such-bucket'"]),
+    "glob matches no object": ("glob", ["input error: [load", "matches no object"]),
+    "wrong secret": ("secret", ["refused access", "AWS_SECRET_ACCESS_KEY"]),
+    "secret in the config": ("config", ["config error:", "may not hold credentials"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BUCKET_CASES))
+def test_bad_bucket(
+    case: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    s3: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    what, needles = BUCKET_CASES[case]
+    cfg = base(tmp_path)
+    s3.fs.put_file(cfg["load"]["path"], f"{s3.bucket}/cube.nc")
+    cfg["load"]["path"] = s3.url("cube.nc")
+    cfg["write"]["path"] = s3.url("out/result.nc")
+    if what in ("load", "write"):
+        section = {"load": "load", "write": "write"}[what]
+        cfg[section]["path"] = cfg[section]["path"].replace(s3.bucket, "no-such-bucket")
+    elif what == "cache":
+        cfg["cache"]["root"] = "s3://no-such-bucket/cache"
+    elif what == "glob":
+        cfg["load"]["path"] = s3.url("sst-*.nc")
+    elif what == "secret":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        from s3server import forget_filesystems
+
+        forget_filesystems()
+    else:
+        cfg["cache"]["storage_options"] = {"secret": "pasted-secret-value"}
+    cfg_path = tmp_path / "gridsolve.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    code, err = run_cli(cfg_path, capsys)
+    assert code == 2, (code, err)
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+    message = err.strip().splitlines()
+    assert len([line for line in message if line.startswith(KINDS)]) == 1, err
+    assert "not-the-secret" not in err and "pasted-secret-value" not in err
+    assert s3.server.secret not in err
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.server.secret)
+    assert s3.objects() == ["cube.nc"]  # nothing else written: no output, no cache

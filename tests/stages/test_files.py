@@ -231,6 +231,9 @@ def test_load_key_and_per_file_digest_cache(
         return real_hash_file(path, block)
 
     monkeypatch.setattr("gridsolve.stages.load.files.hash_file", counting)
+    # The files were written a moment ago: remember their digests at once (the guard
+    # against coarse timestamps is tested on its own below).
+    monkeypatch.setattr("gridsolve.stages.load.files.RACY_NS", 0)
     root = tmp_path / "store"
 
     def key(path: str | list[str]) -> str:
@@ -254,7 +257,7 @@ def test_load_key_and_per_file_digest_cache(
 
     # touched (new mtime and ctime, same bytes): same key, that file hashed again only
     st = os.stat(data[2])
-    os.utime(data[2], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    os.utime(data[2], ns=(st.st_atime_ns, st.st_mtime_ns - 10**10))
     assert key(pattern) == first
     assert hashed == [str(data[2])]
     assert key(pattern) == first
@@ -282,6 +285,36 @@ def test_load_key_and_per_file_digest_cache(
     os.replace(tmp_path / "tmp.nc", data[1])
     assert key(pattern) not in (first, grown)
     assert hashed == [str(data[1])]
+
+
+def test_a_file_changed_just_now_is_hashed_again(
+    tmp_path: Path, data: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within the timestamp resolution of a change its digest is not remembered ("racy")."""
+    hashed: list[str] = []
+
+    def counting(path: str | Path, block: int = 16 * 2**20) -> str:
+        hashed.append(str(path))
+        return real_hash_file(path, block)
+
+    monkeypatch.setattr("gridsolve.stages.load.files.hash_file", counting)
+    root = tmp_path / "store"
+    pattern = str(tmp_path / "data" / "z-*.nc")
+
+    def key() -> str:
+        fresh_process_state()
+        hashed.clear()
+        ctx = StageContext(store=Store(root), memory_budget=256 * 2**20)
+        return str(fingerprint(NetCDFLoad(path=pattern, variable="sig"), ctx)["content"])
+
+    monkeypatch.setattr("gridsolve.stages.load.files.RACY_NS", 10**12)  # all changed "now"
+    first = key()
+    assert key() == first
+    assert sorted(hashed) == sorted(str(p) for p in data)  # hashed again: none remembered
+    assert not list((root / "file-digests").glob("*.json"))
+    monkeypatch.setattr("gridsolve.stages.load.files.RACY_NS", 0)
+    assert key() == first
+    assert key() == first and hashed == []
 
 
 def test_zarr_key_covers_every_file_and_its_name(tmp_path: Path, ctx: Any) -> None:
