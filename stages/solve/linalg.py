@@ -464,20 +464,41 @@ def _to_pixels_last(X: torch.Tensor) -> torch.Tensor:
 def _primal_spread(L: torch.Tensor, T: torch.Tensor | None, lam: float, full: bool) -> Spread:
     coef, _, p = L.shape
     rhs = torch.eye(coef, dtype=L.dtype, device=L.device) if T is None else T
-    # Z = L⁻¹Tᵀ per pixel, so that ZᵀZ = (XᵀX + λI)⁻¹; one triangular solve per pixel
-    # (batched LAPACK: each pixel's result is independent of the others in the batch).
-    Z = torch.linalg.solve_triangular(_pixels_first(L), rhs.expand(p, coef, coef), upper=False)
+    # Z = L⁻¹T per pixel, so that ZᵀZ = (XᵀX + λI)⁻¹: forward substitution on the
+    # pixels-last factor, elementwise per pixel (each pixel's result is independent of
+    # the batch), without a pixels-first copy of L or a batched LAPACK call per pixel.
+    Z = rhs[:, :, None].expand(coef, coef, p).clone()
+    var = torch.zeros((coef, p), dtype=L.dtype, device=L.device)
+    for i in range(coef):
+        Z[i] /= L[i, i]
+        if i + 1 < coef:
+            Z[i + 1 :].addcmul_(L[i + 1 :, i][:, None, :], Z[i][None], value=-1)
+        var.addcmul_(Z[i], Z[i])  # diag(ZᵀZ), row by row while Z[i] is final (and in cache)
     if lam:
         # the ridge sandwich M⁻¹XᵀXM⁻¹ = M⁻¹ − λM⁻², M = XᵀX + λI; tr(H) = coef − λ tr(M⁻¹)
-        Minv = torch.bmm(Z.transpose(1, 2), Z)
-        cov = Minv - lam * torch.bmm(Minv, Minv)
-        var = torch.diagonal(cov, dim1=1, dim2=2).T.contiguous()
-        edf = coef - lam * torch.diagonal(Minv, dim1=1, dim2=2).sum(1)
-        return Spread(var, edf, _to_pixels_last(cov) if full else None, _true(p, L.device))
-    var = (Z * Z).sum(1).T.contiguous()
+        Minv = _gram(Z)
+        cov = Minv - lam * _matmul_pixels_last(Minv, Minv)
+        var = torch.diagonal(cov, dim1=0, dim2=1).T.contiguous()
+        edf = coef - lam * torch.diagonal(Minv, dim1=0, dim2=1).T.sum(0)
+        return Spread(var, edf, cov if full else None, _true(p, L.device))
     edf = torch.full((p,), float(coef), dtype=L.dtype, device=L.device)
-    gram = _to_pixels_last(torch.bmm(Z.transpose(1, 2), Z)) if full else None
-    return Spread(var, edf, gram, _true(p, L.device))
+    return Spread(var, edf, _gram(Z) if full else None, _true(p, L.device))
+
+
+def _gram(Z: torch.Tensor) -> torch.Tensor:
+    """``ZᵀZ`` per pixel of a pixels-last ``Z`` (n, m, P): (m, m, P), summed in row order."""
+    out = Z[0][:, None, :] * Z[0][None, :, :]
+    for a in range(1, Z.shape[0]):
+        out.addcmul_(Z[a][:, None, :], Z[a][None, :, :])
+    return out
+
+
+def _matmul_pixels_last(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+    """``X @ Y`` per pixel of pixels-last (n, k, P) and (k, m, P): (n, m, P)."""
+    out = X[:, 0][:, None, :] * Y[0][None, :, :]
+    for k in range(1, X.shape[1]):
+        out.addcmul_(X[:, k][:, None, :], Y[k][None, :, :])
+    return out
 
 
 def _true(p: int, device: torch.device) -> torch.Tensor:

@@ -23,9 +23,12 @@ covariance ``P_w P_wᵀ`` of its solution operator (once per shared operator or
 gap pattern; per pixel from the per-pixel factorisations, see
 :mod:`stages.solve.linalg`), and the statistics follow per pixel: ``dof = n_valid
 − tr(H)`` (the rank; ``Σ s²/(s²+λ)`` under ridge), ``σ² = Σ w r² / dof``,
-standard errors, t-statistics and two-sided p-values (Student t with ``dof``;
-the normal distribution under ``cov_scale: unscaled``), and R², centred when
-the pixel's valid rows span the constant, uncentred otherwise (statsmodels).
+standard errors, t-statistics, and R², centred when the pixel's valid rows
+span the constant, uncentred otherwise (statsmodels). The two-sided p-values
+(Student t with ``dof``; the normal distribution under ``cov_scale:
+unscaled``) are a function of ``t_value`` and ``dof`` alone: :func:`p_values`,
+which the writer calls where it writes them (a scipy call per value costs more
+than the rest of the uncertainty, and a stored copy would be derived data).
 """
 
 from __future__ import annotations
@@ -73,7 +76,6 @@ TILE_OUTPUTS = {
 UNCERTAINTY_OUTPUTS = {
     "coef_stderr": ArraySpec(("coef", "y", "x"), "f"),
     "t_value": ArraySpec(("coef", "y", "x"), "f"),
-    "p_value": ArraySpec(("coef", "y", "x"), "f"),
     "dof": ArraySpec(("y", "x"), "f"),
     "r2": ArraySpec(("y", "x"), "f"),
     "uncertainty_flags": ArraySpec(("y", "x"), "i"),
@@ -484,12 +486,6 @@ def _statistics(
             sigma = np.where(solved, 1.0, np.nan)
         stderr = sigma * np.sqrt(mom.var)
         t = C.astype(np.float64) / stderr
-        # scipy.stats.t.sf(x, dof) is scipy.special.stdtr(dof, −x): called directly, it
-        # skips the distribution's argument checks (2.5× faster on millions of values).
-        if config.cov_scale == "residual":
-            p = 2.0 * scipy.special.stdtr(np.where(dof > 0, dof, np.nan), -np.abs(t))
-        else:
-            p = 2.0 * scipy.special.ndtr(-np.abs(t))
         r2 = np.where(solved, 1.0 - (mom.wrms / mom.trms) ** 2, np.nan)
     flags = (
         (solved & np.isnan(mom.var).any(axis=0)) * 1 + (solved & ~(dof > 0)) * 2 + (~solved) * 4
@@ -497,7 +493,6 @@ def _statistics(
     out = {
         "coef_stderr": stderr.astype(dtype),
         "t_value": t.astype(dtype),
-        "p_value": p.astype(dtype),
         "dof": dof.astype(dtype),
         "r2": r2.astype(dtype),
         "uncertainty_flags": flags,
@@ -505,6 +500,25 @@ def _statistics(
     if mom.cov is not None:
         with np.errstate(all="ignore"):
             out["coef_cov"] = (mom.cov * (sigma * sigma)).astype(dtype)
+    return out
+
+
+def p_values(t: np.ndarray, dof: np.ndarray, scaled: bool = True) -> np.ndarray:
+    """Two-sided p-values of t-statistics ``t`` (coef, …) with ``dof`` (…), in ``t``'s dtype.
+
+    Student t with ``dof`` degrees of freedom (NaN where dof ≤ 0); ``scaled``
+    False (``cov_scale: unscaled``): the standard normal.
+    """
+    t64 = np.asarray(t, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        if scaled:
+            d = np.asarray(dof, dtype=np.float64)
+            # scipy.stats.t.sf(x, dof) is scipy.special.stdtr(dof, −x): called directly,
+            # it skips the distribution's argument checks (2.5× faster on many values).
+            p = 2.0 * scipy.special.stdtr(np.where(d > 0, d, np.nan), -np.abs(t64))
+        else:
+            p = 2.0 * scipy.special.ndtr(-np.abs(t64))
+    out: np.ndarray = p.astype(np.asarray(t).dtype, copy=False)
     return out
 
 

@@ -248,7 +248,7 @@ def _uncertainty_variables(solve: TiledArtifact, y: str, x: str) -> list[dict[st
 
     A table of CF attributes per variable, hence its length.
     """
-    from gridsolve.stages.solve.lstsq import UNCERTAINTY_FLAGS
+    from gridsolve.stages.solve.lstsq import UNCERTAINTY_FLAGS, p_values
 
     first = solve.tiles[0][1] if solve.tiles else None
     if first is None or "coef_stderr" not in first:
@@ -278,7 +278,11 @@ def _uncertainty_variables(solve: TiledArtifact, y: str, x: str) -> list[dict[st
         },
         {
             "name": "p_value",
-            "src": ("solve", "p_value"),
+            "src": ("solve", "t_value"),
+            # a function of t and dof alone, computed here (stages.solve.lstsq.p_values)
+            "from_tile": lambda arts: p_values(
+                arts["solve"].array("t_value"), arts["solve"].array("dof"), scaled
+            ),
             "dims": ("coef", y, x),
             "attrs": {
                 "long_name": "two-sided p-value of the coefficients being zero",
@@ -690,6 +694,9 @@ def _same_time_units(a: str, b: str) -> bool:
 
 def tile_data(arts: Mapping[str, Artifact], v: Mapping[str, Any]) -> np.ndarray:
     """One tile's data of output variable ``v`` (``arts``: that tile of each tiled input)."""
+    if "from_tile" in v:
+        made: np.ndarray = v["from_tile"](arts)
+        return made
     kind, name = v["src"]
     data: np.ndarray = arts[kind].array(name)
     if "fn" in v:

@@ -7,12 +7,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import scipy.stats
 import statsmodels.api as sm
 
 from gridsolve.schemas.contracts import STATUS_CODES
 from gridsolve.schemas.kinds.design import PolynomialDesign, RandomDesign
 from gridsolve.schemas.kinds.solve import LstsqSolve
-from gridsolve.stages.solve.lstsq import make_operator, solve_block
+from gridsolve.stages.solve.lstsq import make_operator, p_values, solve_block
 
 from testkit import Chain, make_ds
 
@@ -30,7 +31,13 @@ def solve(
     config = LstsqSolve(**{"dtype": "float64", "uncertainty": "cov", **cfg})
     op = make_operator(A, np.ones(A.shape[0]) if sqrtw is None else sqrtw, config)
     out = solve_block(B, op, config, own_weights=own, gap_patterns=gaps)
-    return out.arrays, out.meta["paths"]
+    arrays = dict(out.arrays)
+    # p-values are derived where written (the writer calls p_values), checked here too
+    if "t_value" in arrays:
+        arrays["p_value"] = p_values(
+            arrays["t_value"], arrays["dof"], scaled=config.cov_scale == "residual"
+        )
+    return arrays, out.meta["paths"]
 
 
 def wls(A: np.ndarray, b: np.ndarray, w: np.ndarray | None = None, **fit: Any) -> Any:
@@ -347,6 +354,9 @@ def test_written_with_cf_attributes_and_tiles_agree(
         assert ds[name].dims == ("coef", "y", "x") and ds[name].attrs["long_name"]
     for name in ("t_value", "p_value", "dof", "r2"):
         assert ds[name].attrs["units"] == "1"
+    # the written p-values are Student t's two-sided tail at the written t and dof
+    expected_p = 2.0 * scipy.stats.t.sf(np.abs(ds["t_value"].values), ds["dof"].values)
+    np.testing.assert_allclose(ds["p_value"].values, expected_p, rtol=1e-5, atol=1e-30)
     if mode == "cov":
         assert ds["coef_cov"].dims == ("coef", "coef2", "y", "x")
         diag = np.sqrt(np.einsum("iiyx->iyx", ds["coef_cov"].values))
