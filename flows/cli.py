@@ -124,13 +124,23 @@ def _need_api() -> str:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    """Run `prefect server start` in the foreground, with the UI pointed at itself."""
-    from gridsolve.flows.localserver import LocalServer
+    """Run `prefect server start` in the foreground, with the UI pointed at itself.
+
+    Stopping this process (Ctrl-C, SIGTERM, SIGHUP) stops the server and all it started.
+    """
+    from gridsolve.flows.localserver import LocalServer, port_in_use, supervise
 
     home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
+    if port_in_use(args.host, args.port):
+        raise ConfigError(
+            f"port {args.port} on {args.host} is already in use (another Prefect server?)",
+            fix="stop that process, or choose another port: gridsolve server --port 4300",
+        )
     server = LocalServer(home, port=args.port, host=args.host)
-    print(f"Prefect UI at {server.url}; in other shells: export PREFECT_API_URL={server.api}")
-    return subprocess.call(server.command(), env=server.env())
+    print(f"Prefect UI at {server.url}; in other shells:\n  export PREFECT_API_URL={server.api}")
+    print("Stop with Ctrl-C or SIGTERM: the server and everything it started stop with it.")
+    sys.stdout.flush()
+    return supervise(server.command(), server.env())
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -149,9 +159,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    """Run a Prefect worker on the pool in the foreground."""
+    """Run a Prefect worker on the pool in the foreground; it stops with this process."""
+    from gridsolve.flows.localserver import supervise
+
     _need_api()
-    return subprocess.call(_prefect("worker", "start", "--pool", args.pool), env=_prefect_env())
+    return supervise(_prefect("worker", "start", "--pool", args.pool), _prefect_env())
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -354,6 +366,11 @@ COMMANDS = {
 }
 
 
+#: Commands that only start Prefect processes: they import no stage (no torch), so the
+#: wrapper that stays to supervise them is small.
+_LAUNCHERS = frozenset({"server", "worker", "deploy"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gridsolve`` command."""
     args = _parser().parse_args(argv)
@@ -361,7 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.debug:
         logging.getLogger("gridsolve").setLevel(logging.WARNING)
     try:
-        import gridsolve.stages  # noqa: F401  (registers built-in implementations)
+        if args.command not in _LAUNCHERS:
+            import gridsolve.stages  # noqa: F401  (registers built-in implementations)
 
         return COMMANDS[args.command](args)
     except GridsolveError as exc:

@@ -7,6 +7,7 @@ session so that stopping it stops every process it spawned.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -33,6 +34,61 @@ def stop_group(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something already listens on ``host:port`` (binding it fails)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (Linux), even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the signal handlers below still stop the children
+
+
+def supervise(command: list[str], env: dict[str, str], grace: float = 5.0) -> int:
+    """Run ``command`` in its own process group until it exits, and stop all of it with us.
+
+    SIGTERM, SIGINT or SIGHUP to this process sends SIGTERM to the child's whole
+    group, then SIGKILL to what is left after ``grace`` seconds; the child also
+    gets SIGTERM if this process is killed outright. Returns the child's exit
+    status, or 128 + the signal that stopped us.
+    """
+    proc = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    stopped: list[tuple[int, float]] = []  # (signal, when) of the first stop signal
+
+    def stop(signum: int, _frame: object) -> None:
+        if not stopped:
+            stopped.append((signum, time.monotonic()))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if stopped and time.monotonic() > stopped[0][1] + grace:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # what the child left in its group
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 + stopped[0][0] if stopped else code
 
 
 def server_env(home: Path, api: str, scheduler_seconds: int | None = None) -> dict[str, str]:
