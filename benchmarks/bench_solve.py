@@ -27,7 +27,7 @@ import xarray as xr
 
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.load.patterns import common_patterns, full_hash, pattern_hash
-from gridsolve.stages.solve.lstsq import SharedOperator, make_operator, solve_block
+from gridsolve.stages.solve.lstsq import SharedOperator, make_operator, p_values, solve_block
 
 from common import machine, median_seconds, table
 
@@ -169,6 +169,8 @@ def case_masked(n: int, repeats: int, xr_repeats: int) -> None:
     stage_s = median_seconds(lambda: stages_once(A, B, config, gaps), repeats)
     config_se = config.model_copy(update={"uncertainty": "stderr"})
     stage_se = median_seconds(lambda: stages_once(A, B, config_se, gaps), repeats)
+    se_out = stages_once(A, B, config_se, gaps)[1].arrays
+    p_s = median_seconds(lambda: p_values(se_out["t_value"], se_out["dof"]), repeats)
     _, out = stages_once(A, B, config, gaps)
     floor_s, floor_new = floor_seconds(B, out, repeats)
     C = out.arrays["coefficients"]
@@ -197,6 +199,11 @@ def case_masked(n: int, repeats: int, xr_repeats: int) -> None:
                     "gridsolve, solve.uncertainty: stderr",
                     stage_se,
                     f"{stage_se / stage_s:.2f}× without it (target ≤ 1.3×)",
+                ),
+                (
+                    "  + p-values where written (write stage)",
+                    p_s,
+                    f"{se_out['t_value'].size / 1e6:.1f}M scipy stdtr calls",
                 ),
                 ("floor: copy in+out, paged-in", floor_s, f"{nbytes(B, out) / 1e6:.0f} MB"),
                 ("floor: copy in+out, np.copy", floor_new, "allocates, like any stage"),

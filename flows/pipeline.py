@@ -39,8 +39,9 @@ from gridsolve.flows.quicklook import write_loss_curve, write_quicklook
 from gridsolve.schemas import templating
 from gridsolve.schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
 from gridsolve.schemas.base import StageConfig
-from gridsolve.schemas.errors import GridsolveError, is_transient
+from gridsolve.schemas.errors import ConfigError, GridsolveError, is_transient
 from gridsolve.schemas.execution import CacheConfig, ExecutionConfig
+from gridsolve.schemas.kinds.load import DemoLoad
 from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.schemas.kinds.train import NoTrain
@@ -569,12 +570,37 @@ def _prepare(
     return prepared
 
 
+#: Flow runs of deployments with this tag (the nightly one) never process the demo cube.
+SCHEDULED_TAG = "scheduled"
+
+
+def refuse_demo_on_schedule(cfg: PipelineConfig) -> None:
+    """ConfigError when a run of a deployment tagged ``scheduled`` would load the demo cube.
+
+    A team that forgets ``load.path`` would otherwise get demo output every night.
+    """
+    if not isinstance(cfg.load, DemoLoad):
+        return
+    tags = set(rt_flow_run.tags or ())
+    if SCHEDULED_TAG not in tags:
+        return
+    name = rt_deployment.name or "this deployment"
+    raise ConfigError(
+        f"the {name} deployment's load section is still the demo cube: load.path is not set",
+        stage="load",
+        fix="set load.path (and load.impl: netcdf) in the deployment's parameters — "
+        "prefect.yaml, or the UI's Edit → Parameters — e.g. /data/sst-{scheduled_date}.nc; "
+        "runs of deployments tagged 'scheduled' never process the demo cube",
+    )
+
+
 def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     """Run every stage of ``cfg``'s plan inside the current flow run; returns the summary."""
     logger = get_run_logger()
     cfg = render_paths(cfg, template_values())
     plan = _plan(cfg)
     with noting_user_errors():
+        refuse_demo_on_schedule(cfg)
         check_write_target(cfg.write)  # a bucket that refuses the output fails before any work
     opts = task_options(cfg.cache)
     execution = cfg.execution

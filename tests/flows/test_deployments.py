@@ -146,3 +146,19 @@ def write_cube_for(tmp_path: Path) -> Path:
     path = tmp_path / "good.nc"
     make_ds().to_netcdf(path)
     return path
+
+
+def test_the_nightly_deployment_refuses_the_demo_and_on_demand_runs_it(tmp_path: Path) -> None:
+    cache = {"root": str(tmp_path / "cache")}
+    nightly = run_deployment("gridsolve/nightly", parameters={"cache": cache}, timeout=600)
+    assert nightly.state is not None and nightly.state.is_failed(), nightly.state
+    message = nightly.state.message or ""
+    assert "load.path is not set" in message and "nightly" in message, message
+    assert not list(tmp_path.glob("cache/objects/*")), "nothing computed"
+    demo = run_deployment(
+        "gridsolve/on-demand",
+        parameters={"cache": cache, "write": {"impl": "netcdf", "path": str(tmp_path / "demo.nc")}},
+        timeout=600,
+    )
+    assert demo.state is not None and demo.state.is_completed(), demo.state
+    assert (tmp_path / "demo.nc").is_file()
