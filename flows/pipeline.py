@@ -587,7 +587,7 @@ def refuse_demo_on_schedule(cfg: PipelineConfig) -> None:
     name = rt_deployment.name or "this deployment"
     raise ConfigError(
         f"the {name} deployment's load section is still the demo cube: load.path is not set",
-        stage="load",
+        stage=f"load/{cfg.load.impl}",
         fix="set load.path (and load.impl: netcdf) in the deployment's parameters — "
         "prefect.yaml, or the UI's Edit → Parameters — e.g. /data/sst-{scheduled_date}.nc; "
         "runs of deployments tagged 'scheduled' never process the demo cube",

@@ -54,8 +54,12 @@ class GridsolveError(Exception):
         return "\n".join(lines)
 
     def with_stage(self, stage: str) -> GridsolveError:
-        """The same error, attributed to ``stage`` when it names none yet."""
-        if self.stage is None:
+        """The same error, attributed to ``stage`` (``kind/impl``) when it names none yet.
+
+        An error that names only the kind (``load``) gets the implementation too
+        (``load/netcdf``): every message of a stage carries the same label.
+        """
+        if self.stage is None or stage.split("/", 1)[0] == self.stage:
             self.stage = stage
             self.args = (self.render(),)
         return self

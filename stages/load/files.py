@@ -41,6 +41,14 @@ _MAGIC = set("*?[")
 ZARR_MARKERS = (".zgroup", ".zarray", ".zmetadata", "zarr.json")
 
 
+def relative_paths() -> str:
+    """Where relative paths were resolved, for messages (CLI configs and deployments differ)."""
+    return (
+        "relative paths in a config file are resolved against its folder; in a deployment's "
+        f"parameters against the worker's working directory, here {os.getcwd()}"
+    )
+
+
 def is_glob(path: str) -> bool:
     """Whether ``path`` holds glob characters."""
     return any(c in _MAGIC for c in path)
@@ -80,8 +88,7 @@ def expand(path: str | Sequence[str], options: Mapping[str, Any] | None = None) 
                     stage=STAGE,
                     fix="check the pattern and the bucket's prefix (keys are case-sensitive)"
                     if url
-                    else "check the pattern and the folder (relative paths are resolved "
-                    "against the config file's folder)",
+                    else f"check the pattern and the folder ({relative_paths()})",
                 )
             out += matches
         else:
@@ -161,8 +168,7 @@ def digests(files: Sequence[str], cache: Path | None) -> dict[str, dict[str, Any
             raise InputError(
                 f"input file not found: {f}",
                 stage=STAGE,
-                fix="check load.path (relative paths are resolved against the config "
-                "file's folder)",
+                fix=f"check load.path ({relative_paths()})",
             ) from None
         except OSError as exc:
             raise InputError(

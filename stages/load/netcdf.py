@@ -80,9 +80,10 @@ def open_netcdf(
     p = Path(path)
     if not p.exists():
         raise InputError(
-            f"input file not found: {p}",
+            f"input file not found: {p.absolute()}",
             stage=stage,
-            fix="check load.path (relative paths are resolved against the config file's folder)",
+            found=None if p.is_absolute() else f"load.path {str(path)!r}",
+            fix=f"check load.path ({filesets.relative_paths()})",
         )
     if not p.is_file():
         raise InputError(

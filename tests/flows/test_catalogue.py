@@ -7,6 +7,7 @@ session's Prefect server) on a real file; the README lists the same messages.
 from __future__ import annotations
 
 import pickle
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -240,7 +241,11 @@ def test_bad_input(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     for needle in needles:
         assert needle in err, err
     # printed once: the console shows Prefect's run log, which leaves the message out
-    assert len([line for line in message if line.startswith(KINDS)]) == 1, err
+    first = [line for line in message if line.startswith(KINDS)]
+    assert len(first) == 1, err
+    # a stage's message carries its kind and implementation, as the README shows them
+    label = re.match(r"^[a-z ]+: \[([^\]]+)\]", first[0])
+    assert label is None or re.fullmatch(r"[a-z_]+/[a-z_0-9]+", label[1]), first[0]
     out = Path(cfg["write"]["path"])
     assert not out.exists()
     assert not list(out.parent.glob("*.tmp")) if out.parent.exists() else True
