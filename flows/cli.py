@@ -312,9 +312,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """Validate a config; open the input, and probe an output bucket."""
+    """Validate a config; open the input, probe the output and cache buckets.
+
+    Probing a bucket writes and deletes one small object; a NetCDF object is
+    opened from its local copy (made under GRIDSOLVE_MIRROR).
+    """
     from gridsolve.schemas.kinds.load import NetCDFLoad
     from gridsolve.schemas.reading import config_to_yaml, load_config
+    from gridsolve.stages.engine.remote import is_url
+    from gridsolve.stages.engine.store import open_store
     from gridsolve.stages.load.netcdf import check_opens
     from gridsolve.stages.write.netcdf import check_write_target
 
@@ -323,6 +329,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         check_opens(cfg.load)
     if "{" not in str(getattr(cfg.write, "path", "")):
         check_write_target(cfg.write)
+    if is_url(cfg.cache.root):
+        open_store(cfg.cache.root, cfg.cache.storage_options)  # probes the bucket
     print(config_to_yaml(cfg), end="")
     print("config is valid")
     return 0

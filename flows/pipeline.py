@@ -601,7 +601,10 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     plan = _plan(cfg)
     with noting_user_errors():
         refuse_demo_on_schedule(cfg)
-        check_write_target(cfg.write)  # a bucket that refuses the output fails before any work
+        try:  # a bucket that refuses the output fails before any work
+            check_write_target(cfg.write)
+        except GridsolveError as exc:
+            raise exc.with_stage(f"write/{cfg.write.impl}") from None
     opts = task_options(cfg.cache)
     execution = cfg.execution
     rows: list[StageSummary] = []
@@ -643,11 +646,11 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         tiles=len(tiles or []),
         flow_run_id=str(rt_flow_run.id) if rt_flow_run.id else None,
     )
-    _publish(summary)
+    _publish(summary, getattr(cfg.write, "storage_options", None))
     return summary
 
 
-def _publish(summary: RunSummary) -> None:
+def _publish(summary: RunSummary, options: Mapping[str, Any] | None = None) -> None:
     """The run's artifacts in Prefect: the summary table and the quick-look picture."""
     logger = get_run_logger()
     counts = "; ".join(
@@ -671,13 +674,13 @@ def _publish(summary: RunSummary) -> None:
     )
     logger.info("wrote %s", summary.output)
     try:
-        picture, png = write_quicklook(summary.output)
+        picture, png = write_quicklook(summary.output, options)
         create_markdown_artifact(
             markdown=quicklook_markdown(png, picture, summary.output),
             key="gridsolve-quicklook",
             description="first coefficient and residual RMS maps",
         )
-        curve = write_loss_curve(summary.output)
+        curve = write_loss_curve(summary.output, options)
         if curve is not None:
             create_markdown_artifact(
                 markdown=quicklook_markdown(curve[1], curve[0], summary.output, "training loss"),

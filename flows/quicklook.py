@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -28,17 +30,19 @@ def _thin(a: np.ndarray) -> np.ndarray:
     return a[::step, ::step]
 
 
-def open_output(output: str | Path) -> xr.Dataset:
+def open_output(output: str | Path, options: Mapping[str, Any] | None = None) -> xr.Dataset:
     """An output of gridsolve: a NetCDF file, or a Zarr store (a folder, whatever its name).
 
-    A URL is opened with the endpoint and credentials of the environment.
+    A URL is opened with ``options`` (``write.storage_options``) and the
+    credentials of the environment.
     """
     if remote.is_url(str(output)):
         url = str(output)
-        if remote.exists(f"{url}/.zmetadata"):
-            found: xr.Dataset = xr.open_zarr(url, storage_options=remote.storage_options(None))
+        if remote.exists(f"{url}/.zmetadata", options):
+            so = remote.storage_options(options)
+            found: xr.Dataset = xr.open_zarr(url, storage_options=so)
             return found
-        return xr.open_dataset(remote.local_copy(url))
+        return xr.open_dataset(remote.local_copy(url, options))
     if Path(output).is_dir():
         store: xr.Dataset = xr.open_zarr(output)
         return store
@@ -80,13 +84,13 @@ def significant_trend(ds: xr.Dataset, level: float = 0.05) -> tuple[np.ndarray, 
     return shown, fraction
 
 
-def quicklook_png(output: str | Path) -> bytes:
+def quicklook_png(output: str | Path, options: Mapping[str, Any] | None = None) -> bytes:
     """PNG bytes of maps of ``output``: ``coefficients[0]``, ``residual_rms``, significance.
 
     The third map, where the output has a trend with p-values, is the trend
     where it is significant (p < 0.05), blank elsewhere.
     """
-    with open_output(output) as full:
+    with open_output(output, options) as full:
         ds, where = first_plane(full)
         coef = _thin(np.asarray(ds["coefficients"].isel(coef=0).values, dtype=np.float64))
         rms = _thin(np.asarray(ds["residual_rms"].values, dtype=np.float64))
@@ -112,9 +116,9 @@ def quicklook_png(output: str | Path) -> bytes:
     return buf.getvalue()
 
 
-def loss_curve_png(output: str | Path) -> bytes | None:
+def loss_curve_png(output: str | Path, options: Mapping[str, Any] | None = None) -> bytes | None:
     """PNG bytes of the training and validation loss per epoch, or None without training."""
-    with open_output(output) as ds:
+    with open_output(output, options) as ds:
         if "train_loss" not in ds:
             return None
         epoch = ds["epoch"].values
@@ -135,10 +139,12 @@ def loss_curve_png(output: str | Path) -> bytes | None:
     return buf.getvalue()
 
 
-def _write_beside(output: str | Path, suffix: str, png: bytes) -> Path | str:
+def _write_beside(
+    output: str | Path, suffix: str, png: bytes, options: Mapping[str, Any] | None = None
+) -> Path | str:
     if remote.is_url(str(output)):
         url = f"{output}.{suffix}.png"
-        remote.filesystem(url).pipe_file(url, png)  # one PUT: whole or absent
+        remote.filesystem(url, options).pipe_file(url, png)  # one PUT: whole or absent
         return url
     path = Path(f"{output}.{suffix}.png")
     with atomic_file(path) as tmp:
@@ -146,16 +152,20 @@ def _write_beside(output: str | Path, suffix: str, png: bytes) -> Path | str:
     return path
 
 
-def write_quicklook(output: str | Path) -> tuple[Path | str, bytes]:
+def write_quicklook(
+    output: str | Path, options: Mapping[str, Any] | None = None
+) -> tuple[Path | str, bytes]:
     """Write ``<output>.quicklook.png`` beside the output (atomically); return path and bytes."""
-    png = quicklook_png(output)
-    return _write_beside(output, "quicklook", png), png
+    png = quicklook_png(output, options)
+    return _write_beside(output, "quicklook", png, options), png
 
 
-def write_loss_curve(output: str | Path) -> tuple[Path | str, bytes] | None:
+def write_loss_curve(
+    output: str | Path, options: Mapping[str, Any] | None = None
+) -> tuple[Path | str, bytes] | None:
     """Write ``<output>.loss.png`` beside the output when it holds a training's losses."""
-    png = loss_curve_png(output)
-    return None if png is None else (_write_beside(output, "loss", png), png)
+    png = loss_curve_png(output, options)
+    return None if png is None else (_write_beside(output, "loss", png, options), png)
 
 
 def markdown(png: bytes, path: Path | str, output: str | Path, title: str = "quick look") -> str:

@@ -52,13 +52,18 @@ def input_file_field(default: Any, description: str, **kwargs: Any) -> Any:
 
 
 #: Option names that hold secrets: refused in configs (which Prefect stores and shows).
-_SECRET = re.compile(r"secret|password|token|credential|^key$|access_key|session", re.IGNORECASE)
+_SECRET = re.compile(
+    r"secret|password|passwd|token|credential|^key$|access_?key|session|customer_?key|sse|kms",
+    re.IGNORECASE,
+)
 
 
 def check_storage_options(options: dict[str, Any]) -> dict[str, Any]:
     """``options`` unchanged; ValueError naming any option that holds a secret (nested too)."""
 
     def walk(value: Any, where: str) -> list[str]:
+        if isinstance(value, list | tuple):
+            return [f for i, v in enumerate(value) for f in walk(v, f"{where}[{i}]")]
         if not isinstance(value, dict):
             return []
         found = []
@@ -97,9 +102,26 @@ def storage_options_field() -> Any:
     )
 
 
+#: URL schemes gridsolve reads and writes: S3 and S3-compatible stores, whose objects
+#: carry an ETag (the content checksum that keys inputs without downloading them).
+URL_SCHEMES = ("s3",)
+
+
 def is_url(path: str) -> bool:
-    """Whether ``path`` is an object-store URL (``s3://…``), not a local path."""
-    return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path)) and not path.startswith("file://")
+    """Whether ``path`` is a URL (``s3://…``), not a local path (``file://`` is local)."""
+    return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path)) and not path.lower().startswith(
+        "file://"
+    )
+
+
+def check_url(path: str) -> str:
+    """``path``; ValueError for a URL of a scheme gridsolve does not support."""
+    if is_url(path) and path.split("://", 1)[0].lower() not in URL_SCHEMES:
+        raise ValueError(
+            f"{path!r}: only {', '.join(s + '://' for s in URL_SCHEMES)} URLs are supported "
+            "(objects are keyed by their ETags); copy other data to a local path or a bucket"
+        )
+    return path
 
 
 def _field_flag(model: type[BaseModel], name: str, flag: str) -> bool:

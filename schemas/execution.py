@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gridsolve.schemas.base import StorageOptions, path_field, storage_options_field
+from gridsolve.schemas.base import StorageOptions, check_url, path_field, storage_options_field
 
 
 class CacheConfig(BaseModel):
@@ -23,6 +23,11 @@ class CacheConfig(BaseModel):
     )
     enabled: bool = Field(True, description="Reuse stored stage outputs; false recomputes all.")
     storage_options: StorageOptions = storage_options_field()
+
+    @field_validator("root")
+    @classmethod
+    def _supported_url(cls, v: str) -> str:
+        return check_url(v)
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)

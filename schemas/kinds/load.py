@@ -11,6 +11,7 @@ from gridsolve.schemas import catalog
 from gridsolve.schemas.base import (
     StageConfig,
     StorageOptions,
+    check_url,
     input_file_field,
     storage_options_field,
 )
@@ -114,8 +115,8 @@ class NetCDFLoad(LoadConfig):
         if isinstance(v, list):
             if any(not p for p in v):
                 raise ValueError("an empty path in the list")
-            return [check_template(p) for p in v]
-        return check_template(v)
+            return [check_url(check_template(p)) for p in v]
+        return check_url(check_template(v))
 
 
 class DemoLoad(LoadConfig):

@@ -7,7 +7,13 @@ from typing import ClassVar, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from gridsolve.schemas import catalog
-from gridsolve.schemas.base import StageConfig, StorageOptions, path_field, storage_options_field
+from gridsolve.schemas.base import (
+    StageConfig,
+    StorageOptions,
+    check_url,
+    path_field,
+    storage_options_field,
+)
 from gridsolve.schemas.templating import check_template
 
 
@@ -38,7 +44,7 @@ class GridWrite(WriteConfig):
     @field_validator("path", check_fields=False)
     @classmethod
     def _known_placeholders(cls, v: str) -> str:
-        return check_template(v)
+        return check_url(check_template(v))
 
     @model_validator(mode="after")
     def _positive_chunks(self) -> GridWrite:

@@ -35,7 +35,7 @@ from fsspec.core import split_protocol
 from gridsolve.schemas.base import is_url as is_url
 from gridsolve.schemas.errors import GridsolveError, InputError, OutputError
 from gridsolve.stages.engine.hashing import canonical_json, hash_text
-from gridsolve.stages.engine.paths import atomic_file, writer_tag
+from gridsolve.stages.engine.paths import atomic_file, owner_is_dead, writer_tag
 
 MIRROR_ENV = "GRIDSOLVE_MIRROR"
 _MD5 = re.compile(r"^[0-9a-f]{32}$")
@@ -92,8 +92,22 @@ def storage_error(
     """One clear error for a failed object-store call on ``url`` (``what``: "input file", …)."""
     text = f"{type(exc).__name__}: {exc}"
     where = endpoint(url, options)
-    if isinstance(exc, PermissionError) or re.search(
-        r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|Forbidden|403", text
+    code = _error_code(exc)
+    # By type and the server's error code, never by the message: it holds the key names.
+    if code == "NoSuchBucket" or (
+        isinstance(exc, FileNotFoundError) and "bucket does not exist" in str(exc).lower()
+    ):
+        return cls(
+            f"the bucket {bucket_of(url)!r} of {what} {url} does not exist",
+            stage=stage,
+            found=where,
+            fix="create the bucket, or correct the URL (and AWS_ENDPOINT_URL / "
+            "storage_options.endpoint_url)",
+        )
+    if (
+        isinstance(exc, PermissionError)
+        or code in _REFUSED
+        or type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError")
     ):
         return cls(
             f"the object store refused access to {what} {url}: wrong or missing credentials, "
@@ -102,14 +116,6 @@ def storage_error(
             found=text,
             fix=_CREDENTIALS_FIX,
         )
-    if re.search(r"NoSuchBucket|bucket does not exist", text, re.IGNORECASE):
-        return cls(
-            f"the bucket {bucket_of(url)!r} of {what} {url} does not exist",
-            stage=stage,
-            found=where,
-            fix="create the bucket, or correct the URL (and AWS_ENDPOINT_URL / "
-            "storage_options.endpoint_url)",
-        )
     if isinstance(exc, FileNotFoundError):
         return cls(
             f"{what} not found: {url}",
@@ -117,7 +123,7 @@ def storage_error(
             found=where,
             fix="check the URL (the object's key is case-sensitive)",
         )
-    if re.search(r"connect|Connection|timed out|Timeout|Name or service", text):
+    if type(exc).__name__ in _UNREACHABLE or isinstance(exc, ConnectionError | TimeoutError):
         return cls(
             f"cannot reach the object store of {what} {where}",
             stage=stage,
@@ -132,6 +138,34 @@ def storage_error(
         fix="check the URL, the credentials and the endpoint",
         transient=isinstance(exc, OSError),
     )
+
+
+_REFUSED = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden"}
+)
+_UNREACHABLE = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+    }
+)
+
+
+def _error_code(exc: BaseException) -> str:
+    """The S3 error code of a botocore ClientError in ``exc``'s chain ("" if none)."""
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            break
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            return str(response.get("Error", {}).get("Code", ""))
+        seen = seen.__cause__ or seen.__context__
+    return ""
 
 
 @contextlib.contextmanager
@@ -152,8 +186,19 @@ def translated(
 
 
 def identity(info: Mapping[str, Any]) -> dict[str, Any]:
-    """Size and ETag of an object as fsspec's ``info`` describes it."""
-    etag = str(info.get("ETag") or info.get("etag") or info.get("md5") or "").strip('"')
+    """Size and ETag of an object as fsspec's ``info`` describes it.
+
+    InputError without an ETag: the size alone would let a changed object of the
+    same size be a cache hit.
+    """
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+    if not etag:
+        raise InputError(
+            f"the object store gives no ETag for {info.get('name', 'an object')}",
+            stage="load",
+            fix="use an S3-compatible store that returns ETags (AWS S3, MinIO, Ceph, GCS "
+            "through its S3 API)",
+        )
     return {"size": int(info.get("size") or 0), "etag": etag}
 
 
@@ -223,6 +268,10 @@ def local_copy(
         with atomic_file(dest) as tmp:
             fs.get_file(url, str(tmp))
             problem = _check_copy(tmp, ident)
+            if problem is None and not _MD5.match(ident["etag"]):
+                # a multipart ETag is no MD5 of the bytes: the object must still be that version
+                now = object_identity(url, options)
+                problem = None if now == dict(ident) else f"the object is now {now}"
             if problem is not None:
                 now = object_identity(url, options)
                 raise InputError(
@@ -245,12 +294,31 @@ def upload(local: Path, url: str, options: Mapping[str, Any] | None, what: str) 
     where the ETag is one), then copied server-side to ``url`` (a copy is atomic
     for readers) and the temporary object removed.
     """
+    tmp = stage_upload(local, url, options, what)
+    try:
+        publish(tmp, url, options, what)
+    finally:
+        with contextlib.suppress(Exception):
+            filesystem(url, options).rm(tmp)
+
+
+def stage_upload(local: Path, url: str, options: Mapping[str, Any] | None, what: str) -> str:
+    """Upload ``local`` to a temporary key beside ``url``, verified; that key's URL.
+
+    Temporary keys a dead writer of this host left beside ``url`` are removed first.
+    """
     fs = filesystem(url, options)
     parent, _, name = url.rstrip("/").rpartition("/")
-    tmp = f"{parent}/.{name}.gridsolve~{writer_tag()}~{uuid.uuid4().hex[:12]}.tmp"
+    prefix = f"{parent}/.{name}.gridsolve~"
+    tmp = f"{prefix}{writer_tag()}~{uuid.uuid4().hex[:12]}.tmp"
     size = local.stat().st_size
     md5 = _md5(local)
     with translated(url, what, OutputError, "write", options):
+        for left in fs.glob(f"{prefix}*.tmp"):
+            tag = left.rsplit("gridsolve~", 1)[1].rsplit("~", 1)[0]
+            if owner_is_dead(tag):
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm(left)
         try:
             fs.put_file(str(local), tmp)
             got = object_identity(tmp, options)
@@ -262,18 +330,27 @@ def upload(local: Path, url: str, options: Mapping[str, Any] | None, what: str) 
                     fix="rerun; if it repeats, check the object store",
                     transient=True,
                 )
-            fs.copy(tmp, url)
-            final = object_identity(url, options)
-            if final["size"] != size:
-                raise OutputError(
-                    f"{what} {url} has {final['size']} bytes after the copy, expected {size}",
-                    stage="write",
-                    fix="rerun; if it repeats, check the object store",
-                    transient=True,
-                )
-        finally:
+        except BaseException:
             with contextlib.suppress(Exception):
                 fs.rm(tmp)
+            raise
+    return tmp
+
+
+def publish(tmp: str, url: str, options: Mapping[str, Any] | None, what: str) -> None:
+    """Copy the verified temporary object ``tmp`` to ``url`` (server-side) and check it."""
+    fs = filesystem(url, options)
+    with translated(url, what, OutputError, "write", options):
+        size = object_identity(tmp, options)["size"]
+        fs.copy(tmp, url)
+        final = object_identity(url, options)
+        if final["size"] != size:
+            raise OutputError(
+                f"{what} {url} has {final['size']} bytes after the copy, expected {size}",
+                stage="write",
+                fix="rerun; if it repeats, check the object store",
+                transient=True,
+            )
 
 
 def remove(url: str, options: Mapping[str, Any] | None = None) -> None:

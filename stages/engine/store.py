@@ -407,13 +407,25 @@ class BucketStore(Store):
     def put(self, key: str, output: StageOutput, info: Mapping[str, Any]) -> Artifact:
         """Store ``output`` in this host's copy, then publish it to the bucket (manifest last)."""
         art = super().put(key, output, info)
+        try:
+            self._upload(key, art)
+        except BaseException:
+            # Not in the bucket, so not here either: a retry computes and uploads it again
+            # (other hosts would otherwise find it missing while this one finds it whole).
+            shutil.rmtree(art.path, ignore_errors=True)
+            with self._lock:
+                self._verified.pop(str(art.path), None)
+            raise
+        return art
+
+    def _upload(self, key: str, art: Artifact) -> None:
         fs = remote.filesystem(self.url, self.options)
         base = self._remote(key)
         manifest = json.loads((art.path / MANIFEST).read_text())
         with self._translated(key):
             fs.invalidate_cache()
             if fs.exists(f"{base}/{MANIFEST}"):
-                return art  # another writer published it first
+                return  # another writer published it first
             files = {}
             for name, f in manifest["files"].items():
                 target = f"{base}/{f['xxh3']}.npy"
@@ -429,7 +441,6 @@ class BucketStore(Store):
                 files[name] = {**f, "file": f"{f['xxh3']}.npy"}
             text = json.dumps({**manifest, "files": files}, sort_keys=True, allow_nan=True)
             fs.pipe_file(f"{base}/{MANIFEST}", text.encode())
-        return art
 
     def quarantine(self, key: str, why: str) -> None:
         """Drop a bad artifact here and in the bucket (manifest first), so it is recomputed."""

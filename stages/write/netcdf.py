@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -73,11 +74,14 @@ def check_output_url(
     ``folder``: the output is a prefix (a Zarr store), replaced as a whole.
     """
     url = ensure_allowed_url(url.rstrip("/"), "output URL", STAGE)
-    parent = url.rsplit("/", 1)[0]
-    remote.probe_writable(parent, options, "output", OutputError, STAGE, shown=url)
+    # A store is probed inside its own prefix: a policy that refuses writes there is
+    # found before the previous store is touched.
+    where = url if folder else url.rsplit("/", 1)[0]
+    remote.probe_writable(where, options, "output", OutputError, STAGE, shown=url)
     with remote.translated(url, "output", OutputError, STAGE, options):
         objects = remote.find(url, options)
-        is_store = f"{url}/.zmetadata" in objects
+        # a complete store, or what a killed gridsolve writer left (its marker object)
+        is_store = f"{url}/.zmetadata" in objects or f"{url}/.gridsolve-writing" in objects
         is_object = url in objects
     if folder and is_object:
         raise OutputError(
@@ -114,11 +118,6 @@ def check_write_target(config: Any) -> None:
             config.storage_options,
             folder=isinstance(config, ZarrWrite),
         )
-
-
-def staging_path(url: str) -> Path:
-    """The local file an output for ``url`` is written to on this host before the upload."""
-    return remote.mirror_root() / "outputs" / hash_text(url)[:20] / url.rsplit("/", 1)[-1]
 
 
 def check_output_path(path: str, overwrite: bool, folder: bool = False) -> Path:
@@ -846,13 +845,18 @@ def write_netcdf(
     tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
     train: Artifact | None = None,
+    staged_locally: bool = False,
 ) -> Path:
     """Write the output file atomically and return its path.
 
     ``tiled`` holds every tiled input by kind (all on the same tile plan); each
     output variable is filled tile by tile, so memory stays at one tile.
+    ``staged_locally``: the file is gridsolve's local copy of an output bound for
+    a bucket (a fresh private folder): not checked against the allowed roots.
     """
-    final = check_output_path(config.path, config.overwrite)
+    final = (
+        Path(config.path) if staged_locally else check_output_path(config.path, config.overwrite)
+    )
     sweep_dead_temporaries(final)
     variables = output_variables(load, design, tiled, config.layout)
     yx = (load.meta["y_dim"], load.meta["x_dim"])
@@ -937,11 +941,19 @@ def _run_to_url(
     tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
 ) -> StageOutput:
-    """Write the output locally, then upload it (and the weights) verified; nothing partial."""
+    """Write the output locally, upload it (and the weights) verified, then publish both.
+
+    Both objects are uploaded to temporary keys and checked before either is
+    copied into place, so a failed upload leaves the previous output (and
+    weights) as they were.
+    """
     options = config.storage_options
     url = check_output_url(config.path, config.overwrite, options)
-    local = staging_path(url)
-    uploaded: list[str] = []
+    targets = [url] + ([f"{url}.weights.safetensors"] if "train" in inputs else [])
+    staging = Path(tempfile.mkdtemp(prefix="write-", dir=staging_root()))
+    local = staging / url.rsplit("/", 1)[-1]
+    staged: list[str] = []
+    published: list[str] = []
     try:
         path = write_netcdf(
             config.model_copy(update={"path": str(local)}),
@@ -950,23 +962,37 @@ def _run_to_url(
             tiled,
             attrs,
             inputs.get("train"),
+            staged_locally=True,
         )
-        remote.upload(path, url, options, "output file")
-        uploaded.append(url)
+        files = [path, weights_path(path)][: len(targets)]
+        staged = [
+            remote.stage_upload(f, t, options, what)
+            for f, t, what in zip(files, targets, ("output file", "trained weights"), strict=False)
+        ]
+        for tmp, target in zip(staged, targets, strict=True):
+            remote.publish(tmp, target, options, "output file")
+            published.append(target)
         meta: dict[str, Any] = url_facts(url, options)
         if "train" in inputs:
-            weights = f"{url}.weights.safetensors"
-            remote.upload(weights_path(path), weights, options, "trained weights")
-            uploaded.append(weights)
-            meta["weights"] = url_facts(weights, options)
+            meta["weights"] = url_facts(targets[1], options)
     except BaseException:
-        for done in uploaded:  # a run that failed leaves no new output behind
+        for done in published:  # a run that failed leaves no half-published output behind
             with contextlib.suppress(Exception):
                 remote.remove(done, options)
         raise
     finally:
-        shutil.rmtree(local.parent, ignore_errors=True)
+        for tmp in staged:
+            with contextlib.suppress(Exception):
+                remote.remove(tmp, options)
+        shutil.rmtree(staging, ignore_errors=True)
     return StageOutput(meta=meta)
+
+
+def staging_root() -> Path:
+    """The local folder of the private folders that outputs for a bucket are written in."""
+    root = remote.mirror_root() / "outputs"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 def url_facts(url: str, options: Mapping[str, Any]) -> dict[str, Any]:

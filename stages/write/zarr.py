@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import tempfile
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,6 +42,8 @@ VERSION = "1"
 #: Zarr format 2: consolidated metadata (``.zmetadata``) and text arrays are part of its
 #: specification (in format 3 both are still extensions that zarr-python warns about).
 ZARR_FORMAT: Literal[2] = 2
+#: The object that marks a store in a bucket as being written by gridsolve (removed last).
+WRITING = ".gridsolve-writing"
 
 
 def _template(
@@ -114,7 +117,6 @@ def _write_tiles(
     """
     yx = (meta["y_dim"], meta["x_dim"])
     lead_dims = list(meta.get("lead_dims") or [])
-    arrays = {v["name"]: group[v["name"]] for v in variables}
 
     def write(v: Mapping[str, Any], arts: Mapping[str, Artifact], at: tuple[Any, ...]) -> None:
         data = nc_writer.tile_data(arts, v)
@@ -130,6 +132,8 @@ def _write_tiles(
         zarr.config.set({"array.write_empty_chunks": True}),
         ThreadPoolExecutor(max_workers=min(8, len(variables))) as pool,
     ):
+        # Opened inside the setting: zarr reads write_empty_chunks when an array is opened.
+        arrays = {v["name"]: group[v["name"]] for v in variables}
         for i, tile in enumerate(plan):
             arts = {kind: art.tiles[i][1] for kind, art in tiled.items()}
             window = plane_window(meta, tile)
@@ -200,14 +204,15 @@ def _fill(
     first = {kind: art.tiles[0][1] for kind, art in tiled.items()}
     template = _template(config, load, variables, first, base)
     so = remote.storage_options(options) if options is not None else None
-    template.to_zarr(
-        store,
-        mode="w",
-        compute=False,
-        consolidated=False,
-        zarr_format=ZARR_FORMAT,
-        storage_options=so,
-    )
+    with zarr.config.set({"array.write_empty_chunks": True}):  # the coordinates' chunks too
+        template.to_zarr(
+            store,
+            mode="w",
+            compute=False,
+            consolidated=False,
+            zarr_format=ZARR_FORMAT,
+            storage_options=so,
+        )
     group = zarr.open_group(store, mode="r+", zarr_format=ZARR_FORMAT, storage_options=so)
     _write_tiles(group, variables, tiled, plan, load.meta)
     # Last: the mark of a complete store.
@@ -233,20 +238,26 @@ def _write_to_url(
     url = nc_writer.check_output_url(config.path, config.overwrite, options, folder=True)
     _plan(tiled)  # before the old store is touched
     weights = f"{url}.weights.safetensors"
+    beside = [weights, f"{url}.quicklook.png", f"{url}.loss.png"]  # describe the old store
     with remote.translated(url, "output", OutputError, STAGE, options):
         remote.remove(f"{url}/.zmetadata", options)
         remote.remove(url, options)
-        remote.remove(weights, options)
+        for extra in beside:
+            remote.remove(extra, options)
+        # Marks the prefix as gridsolve's own store being written, so that what a killed
+        # writer leaves is replaced by the next run rather than refused as someone's data.
+        remote.filesystem(url, options).pipe_file(f"{url}/{WRITING}", b"gridsolve")
         try:
             _fill(url, options, config, load, design, tiled, attrs, train)
             if train is not None:
-                local = nc_writer.staging_path(weights)
+                staging = Path(tempfile.mkdtemp(prefix="write-", dir=nc_writer.staging_root()))
                 try:
-                    local.parent.mkdir(parents=True, exist_ok=True)
-                    nc_writer.write_weights(train, local.with_name(url.rsplit("/", 1)[-1]))
-                    remote.upload(local, weights, options, "trained weights")
+                    store_name = staging / url.rsplit("/", 1)[-1]
+                    nc_writer.write_weights(train, store_name)
+                    remote.upload(nc_writer.weights_path(store_name), weights, options, "weights")
                 finally:
-                    shutil.rmtree(local.parent, ignore_errors=True)
+                    shutil.rmtree(staging, ignore_errors=True)
+            remote.remove(f"{url}/{WRITING}", options)
         except BaseException:
             with contextlib.suppress(Exception):
                 remote.remove(f"{url}/.zmetadata", options)

@@ -266,3 +266,90 @@ def test_a_local_path_is_not_a_url() -> None:
     assert not remote.is_url("/data/x.nc") and not remote.is_url("file:///data/x.nc")
     assert not remote.is_url("data/s3:/x.nc")
     assert os.environ.get(remote.MIRROR_ENV) is None or True
+
+
+def test_a_missing_object_whose_name_holds_403_is_not_found(s3: Any, tmp_path: Path) -> None:
+    sect = sections(s3.url("sst/sst-20240403.nc"), str(tmp_path / "o.nc"), str(tmp_path / "c"))
+    with pytest.raises(InputError) as err:
+        run(sect)
+    assert "input file not found: s3://" in str(err.value), str(err.value)
+    assert "refused access" not in str(err.value)
+
+
+def test_writes_confined_to_allowed_roots_and_urls(
+    s3: Any, tmp_path: Path, cube: xr.Dataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cube.to_netcdf(tmp_path / "cube.nc")
+    (tmp_path / "allowed").mkdir()
+    monkeypatch.setenv("GRIDSOLVE_ALLOWED_ROOTS", str(tmp_path / "allowed"))
+    monkeypatch.setenv("GRIDSOLVE_ALLOWED_URLS", s3.url("results"))
+    cache = str(tmp_path / "allowed" / "cache")
+    # the local copy staged for the upload lives in the mirror, outside the roots: allowed
+    run(sections(str(tmp_path / "cube.nc"), s3.url("results/out.nc"), cache))
+    assert "results/out.nc" in s3.objects()
+    with pytest.raises(OutputError, match="outside the places this worker may write to"):
+        run(sections(str(tmp_path / "cube.nc"), s3.url("elsewhere/out.nc"), cache))
+    assert not [k for k in s3.objects() if k.startswith("elsewhere")]
+
+
+def test_only_s3_urls_are_accepted() -> None:
+    for section, field, url in (
+        ("load", "path", "http://example.org/cube.nc"),
+        ("write", "path", "gs://bucket/out.nc"),
+        ("cache", "root", "https://example.org/cache"),
+    ):
+        sect = sections("cube.nc", "out.nc", "cache")
+        sect[section][field] = url
+        with pytest.raises(ConfigError, match="only s3:// URLs are supported"):
+            build_config(sect)
+
+
+def test_zarr_output_replaces_what_a_killed_writer_left_but_not_other_data(
+    s3: Any, tmp_path: Path, cube: xr.Dataset, local_out: xr.Dataset
+) -> None:
+    src = str(tmp_path / "cube.nc")
+    s3.fs.pipe_file(f"{s3.bucket}/out.zarr/.gridsolve-writing", b"gridsolve")
+    s3.fs.pipe_file(f"{s3.bucket}/out.zarr/coefficients/0.0.0", b"half")
+    run(sections(src, s3.url("out.zarr"), str(tmp_path / "cache")))
+    xr.testing.assert_allclose(load(s3.url("out.zarr")), local_out, rtol=1e-12)
+    assert "out.zarr/.gridsolve-writing" not in s3.objects()
+    s3.fs.pipe_file(f"{s3.bucket}/theirs.zarr/notes.txt", b"someone's data")
+    with pytest.raises(OutputError, match="not a gridsolve Zarr store"):
+        run(sections(src, s3.url("theirs.zarr"), str(tmp_path / "cache")))
+    assert s3.fs.cat_file(f"{s3.bucket}/theirs.zarr/notes.txt") == b"someone's data"
+
+
+def test_quick_look_of_a_bucket_output_uses_the_write_storage_options(
+    s3: Any, tmp_path: Path, cube: xr.Dataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gridsolve.flows.quicklook import write_quicklook
+
+    cube.to_netcdf(tmp_path / "cube.nc")
+    src = str(tmp_path / "cube.nc")
+    run(sections(src, s3.url("out.zarr"), str(tmp_path / "cache")))
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    from s3server import forget_filesystems
+
+    forget_filesystems()
+    picture, png = write_quicklook(s3.url("out.zarr"), {"endpoint_url": endpoint})
+    assert picture == s3.url("out.zarr.quicklook.png") and png.startswith(b"\x89PNG")
+    assert "out.zarr.quicklook.png" in s3.objects()
+
+
+def test_an_artifact_the_bucket_did_not_take_is_not_kept_here(
+    s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(s3.url("cache"))
+    assert isinstance(store, BucketStore)
+    key = "fedcba9876543210fedcba9876543210"
+
+    def refused(*args: Any) -> None:
+        raise PermissionError("AccessDenied")
+
+    with monkeypatch.context() as m:
+        m.setattr(store, "_upload", refused)
+        with pytest.raises(PermissionError):
+            store.put(key, StageOutput(arrays={"a": np.zeros(3)}), {"kind": "test"})
+    assert not store.path(key).exists()
+    assert store.check(key)[0] == "miss"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,17 @@ def test_zarr_equals_netcdf_variable_for_variable(ctx: Any, tmp_path: Path, layo
     store = tmp_path / "out.zarr"
     run(ctx, tmp_path, src, {"impl": "zarr", "path": str(store), "layout": layout}, **train)
     assert (store / ".zmetadata").is_file()  # consolidated metadata: the store is complete
+    # every chunk is written, all-zero ones too (an int variable has no fill value: a
+    # missing chunk would be made up by the reader)
+    for array in (p for p in store.iterdir() if (p / ".zarray").is_file()):
+        meta = json.loads((array / ".zarray").read_text())
+        if meta["fill_value"] is not None:
+            continue  # a missing chunk reads as the declared fill value (NaN): fine
+        expected = int(
+            np.prod([-(-n // c) for n, c in zip(meta["shape"], meta["chunks"], strict=True)])
+        )
+        chunks = [f for f in array.iterdir() if not f.name.startswith(".")]
+        assert len(chunks) == expected, (array.name, len(chunks), expected)
     with xr.open_dataset(tmp_path / "out.nc") as nc, xr.open_zarr(store) as zr:
         assert set(nc.variables) == set(zr.variables)
         for name in nc.variables:
