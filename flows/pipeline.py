@@ -59,6 +59,7 @@ from gridsolve.schemas.pipeline import (
     build_config,
 )
 from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.engine.paths import ensure_input_allowed, ensure_module_allowed
 from gridsolve.stages.engine.plan import (
     Plan,
     Step,
@@ -594,6 +595,25 @@ def refuse_demo_on_schedule(cfg: PipelineConfig) -> None:
     )
 
 
+def check_reads_allowed(cfg: PipelineConfig) -> None:
+    """Before any read or import: inputs and model.target where this worker allows them.
+
+    ``GRIDSOLVE_ALLOWED_INPUTS`` and ``GRIDSOLVE_ALLOWED_MODULES`` (unset: no
+    restriction); globs are expanded first, so every file they match is checked.
+    """
+    from gridsolve.stages.load.files import expand, is_glob
+
+    for kind, conf in cfg.stage_configs().items():
+        label = f"{kind}/{conf.impl}"
+        for field, value in conf.input_files().items():
+            paths = [value] if isinstance(value, str) else list(value)
+            local_globs = [p for p in paths if is_glob(p) and not is_url(p)]
+            for path in [*paths, *(expand(local_globs) if local_globs else [])]:
+                ensure_input_allowed(path, f"{kind}.{field}", label)
+        for module in conf.imported_modules():
+            ensure_module_allowed(module, label)
+
+
 def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     """Run every stage of ``cfg``'s plan inside the current flow run; returns the summary."""
     logger = get_run_logger()
@@ -601,6 +621,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     plan = _plan(cfg)
     with noting_user_errors():
         refuse_demo_on_schedule(cfg)
+        check_reads_allowed(cfg)
         try:  # a bucket that refuses the output fails before any work
             check_write_target(cfg.write)
         except GridsolveError as exc:

@@ -185,6 +185,10 @@ class StageConfig(BaseModel):
         """
         return []
 
+    def imported_modules(self) -> list[str]:
+        """Modules the stage imports because the config names them (``model.target``)."""
+        return []
+
     def input_files(self) -> dict[str, str | list[str]]:
         """Absolute path(s) of each input this config names (the paths used by a run)."""
         out: dict[str, str | list[str]] = {}

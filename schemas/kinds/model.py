@@ -102,6 +102,10 @@ class ModuleModel(ModelConfig):
         ..., min_length=1, description="Shape of one sample's input; must multiply to coef."
     )
 
+    def imported_modules(self) -> list[str]:
+        """The module of ``target``."""
+        return [self.target.partition(":")[0]]
+
 
 for _builtin in (
     MultidimLinearModel,

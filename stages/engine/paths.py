@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from gridsolve.schemas.errors import OutputError
+from gridsolve.schemas.errors import ConfigError, InputError, OutputError
 
 ALLOWED_ROOTS_ENV = "GRIDSOLVE_ALLOWED_ROOTS"
 #: Object-store prefixes (``s3://bucket/prefix``, separated by spaces) writes may go to
@@ -63,6 +63,59 @@ def ensure_allowed_url(url: str, what: str, stage: str | None = None) -> str:
             fix=f"choose a {what} under those prefixes, or add its bucket to {ALLOWED_URLS_ENV}",
         )
     return url
+
+
+#: Where runs may read inputs from: local folders and ``s3://bucket/prefix`` URLs,
+#: separated by spaces. Unset: anywhere this worker can read.
+ALLOWED_INPUTS_ENV = "GRIDSOLVE_ALLOWED_INPUTS"
+#: Module prefixes ``model.target`` may name (``mypkg.models other.pkg``), separated by
+#: spaces. Unset: any importable module.
+ALLOWED_MODULES_ENV = "GRIDSOLVE_ALLOWED_MODULES"
+
+
+def _listed(env: str) -> list[str]:
+    return [p for p in os.environ.get(env, "").split() if p]
+
+
+def ensure_input_allowed(path: str, what: str, stage: str | None = None) -> None:
+    """InputError if reads are confined (``GRIDSOLVE_ALLOWED_INPUTS``) and ``path`` is outside.
+
+    A local path is resolved (``..`` and symbolic links) before it is compared.
+    """
+    allowed = _listed(ALLOWED_INPUTS_ENV)
+    if not allowed:
+        return
+    if "://" in path:
+        ok = any(path == a.rstrip("/") or path.startswith(a.rstrip("/") + "/") for a in allowed)
+    else:
+        resolved = Path(path).expanduser().resolve()
+        roots = [Path(a).expanduser().resolve() for a in allowed if "://" not in a]
+        ok = any(resolved == r or r in resolved.parents for r in roots)
+    if not ok:
+        raise InputError(
+            f"{what} {path} is outside the places this worker may read from",
+            stage=stage,
+            expected=f"a path or URL under {' '.join(allowed)} ({ALLOWED_INPUTS_ENV})",
+            found=path,
+            fix=f"move the data under those folders, or add its folder to {ALLOWED_INPUTS_ENV} "
+            "on the worker",
+        )
+
+
+def ensure_module_allowed(module: str, stage: str | None = None) -> None:
+    """ConfigError, before any import, if ``module`` is under no ``GRIDSOLVE_ALLOWED_MODULES``."""
+    allowed = _listed(ALLOWED_MODULES_ENV)
+    if not allowed:
+        return
+    if not any(module == a or module.startswith(a + ".") for a in allowed):
+        raise ConfigError(
+            f"model.target module {module!r} is not one this worker may import",
+            stage=stage,
+            expected=f"a module under {' '.join(allowed)} ({ALLOWED_MODULES_ENV})",
+            found=module,
+            fix=f"use a model from those packages, or add its package to {ALLOWED_MODULES_ENV} "
+            "on the worker",
+        )
 
 
 def writer_tag() -> str:

@@ -50,6 +50,7 @@ from gridsolve.stages.engine.agreement import disagreements
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device, work_share
 from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
+from gridsolve.stages.engine.paths import ensure_module_allowed
 from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
 from gridsolve.stages.engine.versions import module_digests
@@ -73,6 +74,7 @@ def _model_name(config: ModelConfig) -> str:
 def import_target(target: str, stage: str) -> type[nn.Module]:
     """The nn.Module class at ``package.module:Class``."""
     mod_name, _, cls_name = target.partition(":")
+    ensure_module_allowed(mod_name, stage)
     try:
         module = importlib.import_module(mod_name)
     except Exception as exc:

@@ -382,3 +382,50 @@ def test_bad_bucket(
     assert s3.server.secret not in err
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.server.secret)
     assert s3.objects() == ["cube.nc"]  # nothing else written: no output, no cache
+
+
+# ---------------------------------------------------------------- what a worker may read
+def test_inputs_outside_the_allowed_roots_are_refused_before_any_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = base(tmp_path)  # the cube is in tmp_path itself
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    # a link inside the allowed folder that leads outside it is outside too
+    (allowed / "link.nc").symlink_to(tmp_path / "cube.nc")
+    monkeypatch.setenv("GRIDSOLVE_ALLOWED_INPUTS", f"{allowed} s3://data/in")
+    for path in (str(tmp_path / "cube.nc"), str(allowed / "*.nc")):
+        cfg["load"]["path"] = path
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+        code, err = run_cli(tmp_path / "c.yaml", capsys)
+        assert code == 2 and "Traceback" not in err, err
+        assert "is outside the places this worker may read from" in err, err
+        assert "GRIDSOLVE_ALLOWED_INPUTS" in err
+        assert not (tmp_path / "cache" / "objects").exists()  # nothing was read or computed
+    # inside: runs
+    (allowed / "real.nc").write_bytes((tmp_path / "cube.nc").read_bytes())
+    cfg["load"]["path"] = str(allowed / "real.nc")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert run_cli(tmp_path / "c.yaml", capsys)[0] == 0
+
+
+def test_a_model_module_outside_the_allowed_prefixes_is_never_imported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "imported"
+    (tmp_path / "evil_models.py").write_text(
+        f"open({str(marker)!r}, 'w').write('x')\n"
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return x\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("GRIDSOLVE_ALLOWED_MODULES", "mylab.models gridsolve")
+    cfg = base(tmp_path)
+    cfg["model"] = {"impl": "module", "target": "evil_models:Net", "input_shape": [4]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    code, err = run_cli(tmp_path / "c.yaml", capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert "model.target module 'evil_models' is not one this worker may import" in err, err
+    assert not marker.exists()
