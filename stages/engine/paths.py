@@ -45,6 +45,11 @@ def ensure_allowed(path: str | Path, what: str, stage: str | None = None) -> Pat
     return resolved
 
 
+def under_prefix(url: str, prefixes: list[str]) -> bool:
+    """Whether ``url`` is one of ``prefixes`` (no trailing ``/``) or lies under one of them."""
+    return any(url == p or url.startswith(p + "/") for p in prefixes)
+
+
 def ensure_allowed_url(url: str, what: str, stage: str | None = None) -> str:
     """``url``; OutputError if writes are confined and it is under no allowed prefix.
 
@@ -54,7 +59,7 @@ def ensure_allowed_url(url: str, what: str, stage: str | None = None) -> str:
     if not allowed_roots():
         return url
     prefixes = [p.rstrip("/") for p in os.environ.get(ALLOWED_URLS_ENV, "").split() if p]
-    if not any(url == p or url.startswith(p + "/") for p in prefixes):
+    if not under_prefix(url, prefixes):
         raise OutputError(
             f"{what} {url} is outside the places this worker may write to",
             stage=stage,
@@ -86,7 +91,7 @@ def ensure_input_allowed(path: str, what: str, stage: str | None = None) -> None
     if not allowed:
         return
     if "://" in path:
-        ok = any(path == a.rstrip("/") or path.startswith(a.rstrip("/") + "/") for a in allowed)
+        ok = under_prefix(path, [a.rstrip("/") for a in allowed])
     else:
         resolved = Path(path).expanduser().resolve()
         roots = [Path(a).expanduser().resolve() for a in allowed if "://" not in a]

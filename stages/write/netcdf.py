@@ -838,6 +838,18 @@ def write_weights(train: Artifact, output: Path) -> None:
         save_file(tensors, str(tmp))
 
 
+def tile_plan(tiled: Mapping[str, TiledArtifact]) -> list[Any]:
+    """The tile plan every tiled input shares; ContractError if they differ."""
+    plans = [[tile for tile, _ in art.tiles] for art in tiled.values()]
+    if any(p != plans[0] for p in plans):
+        raise ContractError(
+            "the tiled inputs of the writer were computed on different tile plans",
+            stage=STAGE,
+            fix="rerun: every tiled stage of one run uses the run's tile plan",
+        )
+    return plans[0]
+
+
 def write_netcdf(
     config: NetCDFWrite,
     load: Artifact,
@@ -860,13 +872,7 @@ def write_netcdf(
     sweep_dead_temporaries(final)
     variables = output_variables(load, design, tiled, config.layout)
     yx = (load.meta["y_dim"], load.meta["x_dim"])
-    plans = [[tile for tile, _ in art.tiles] for art in tiled.values()]
-    if any(p != plans[0] for p in plans):
-        raise ContractError(
-            "the tiled inputs of the writer were computed on different tile plans",
-            stage=STAGE,
-            fix="rerun: every tiled stage of one run uses the run's tile plan",
-        )
+    plan = tile_plan(tiled)
     try:
         with atomic_file(final) as tmp:
             base = skeleton(load, design, attrs)
@@ -881,7 +887,7 @@ def write_netcdf(
                 lead_dims = list(load.meta.get("lead_dims") or [])
                 for v in variables:
                     _define(nc, v, tile_data(first, v), sizes, config, yx, lead_dims)
-                for i, tile in enumerate(plans[0]):
+                for i, tile in enumerate(plan):
                     arts = {kind: art.tiles[i][1] for kind, art in tiled.items()}
                     window = plane_window(load.meta, tile)
                     at = (..., *(window[d] for d in lead_dims), window[yx[0]], window[yx[1]])

@@ -155,7 +155,7 @@ def write_zarr(
         return _write_to_url(config, load, design, tiled, attrs, train)
     final = nc_writer.check_output_path(config.path, config.overwrite, folder=True)
     sweep_dead_temporaries(final)
-    _plan(tiled)
+    nc_writer.tile_plan(tiled)
     try:
         with atomic_folder(final) as tmp:
             _fill(str(tmp), None, config, load, design, tiled, attrs, train)
@@ -173,18 +173,6 @@ def write_zarr(
     return final
 
 
-def _plan(tiled: Mapping[str, TiledArtifact]) -> list[Any]:
-    """The tile plan every tiled input shares; ContractError if they differ."""
-    plans = [[tile for tile, _ in art.tiles] for art in tiled.values()]
-    if any(p != plans[0] for p in plans):
-        raise ContractError(
-            "the tiled inputs of the writer were computed on different tile plans",
-            stage=STAGE,
-            fix="rerun: every tiled stage of one run uses the run's tile plan",
-        )
-    return plans[0]
-
-
 def _fill(
     store: str,
     options: Mapping[str, Any] | None,
@@ -197,7 +185,7 @@ def _fill(
 ) -> None:
     """Metadata, then every tile's chunks, then the consolidated metadata (last) into ``store``."""
     variables = nc_writer.output_variables(load, design, tiled, config.layout)
-    plan = _plan(tiled)
+    plan = nc_writer.tile_plan(tiled)
     base = nc_writer.skeleton(load, design, attrs)
     if train is not None:
         nc_writer.add_training(base, train, load)
@@ -236,7 +224,7 @@ def _write_to_url(
     """
     options = config.storage_options
     url = nc_writer.check_output_url(config.path, config.overwrite, options, folder=True)
-    _plan(tiled)  # before the old store is touched
+    nc_writer.tile_plan(tiled)  # before the old store is touched
     weights = f"{url}.weights.safetensors"
     beside = [weights, f"{url}.quicklook.png", f"{url}.loss.png"]  # describe the old store
     with remote.translated(url, "output", OutputError, STAGE, options):
