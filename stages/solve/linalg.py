@@ -294,39 +294,43 @@ def _primal(
     A: torch.Tensor, B0: torch.Tensor, Wp: torch.Tensor, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
     obs, coef = A.shape
-    # Work in the orthonormal basis U of the design (A = U·diag(s)·Vᵀ): each
-    # pixel's Gram matrix UᵀW_pU is then near the identity unless its gaps are
-    # severe, however badly the user's columns are scaled; c = V·diag(1/s)·c'.
-    U, s, Vh = torch.linalg.svd(A, full_matrices=False)
+    # Work in an orthonormal basis Q of the design (A = Q·R): each pixel's Gram
+    # matrix QᵀW_pQ is then near the identity unless its gaps are severe, however
+    # badly the user's columns are scaled; c = R⁻¹·c'. Q rather than the SVD's U:
+    # R⁻¹ is triangular, so the spread's L⁻¹R⁻ᵀ is too (a third of the work).
+    s = torch.linalg.svdvals(A)
     precondition = bool(s[-1] > s[0] * EPS64 * max(obs, coef) * 1e3)
+    eye = torch.eye(coef, dtype=A.dtype, device=A.device)
+    Rinv = None
     if precondition:
-        basis = U
-        lam_vec = lam / (s * s) if lam else None
+        basis, R = torch.linalg.qr(A)
+        Rinv = torch.linalg.solve_triangular(R, eye, upper=True)
+        # λI in the new basis: Tᵀ(AᵀWA + λI)T = QᵀWQ + λR⁻ᵀR⁻¹
+        lam_mat = lam * (Rinv.T @ Rinv) if lam else None
     else:
         basis = A
-        lam_vec = torch.full((coef,), lam, dtype=A.dtype, device=A.device) if lam else None
+        lam_mat = lam * eye if lam else None
     BB = (basis[:, :, None] * basis[:, None, :]).reshape(obs, coef * coef)
     G = colmm(BB.T, Wp).reshape(coef, coef, -1)
-    if lam_vec is not None:
-        idx = torch.arange(coef, device=A.device)
-        G[idx, idx] += lam_vec[:, None]
+    if lam_mat is not None:
+        G += lam_mat[:, :, None]
     L, ok = batched_cholesky(G)
     WB = Wp * B0
     x = cholesky_solve(L, colmm(basis.T, WB))
     conv = ok
     for _ in range(REFINE_STEPS):
         g = colmm(basis.T, WB - Wp * colmm(basis, x))
-        if lam_vec is not None:
-            g = g - lam_vec[:, None] * x
+        if lam_mat is not None:
+            g = g - colmm(lam_mat, x)
         dx = cholesky_solve(L, g)
         x = x + dx
         conv = ok & _converged(dx, x)
         if bool(conv.eq(ok).all()):
             break
-    if precondition:
-        x = colmm(Vh.T / s[None, :], x)
-    # (AᵀWA + λI)⁻¹ = T G⁻¹ Tᵀ with T = V·diag(1/s) in the orthonormal basis
-    return x, conv, (L, Vh / s[:, None] if precondition else None)
+    if Rinv is not None:
+        x = colmm(Rinv, x)
+    # (AᵀWA + λI)⁻¹ = R⁻¹ G⁻¹ R⁻ᵀ: the spread needs R⁻ᵀ (lower triangular)
+    return x, conv, (L, Rinv.T.contiguous() if Rinv is not None else None)
 
 
 def _dual(
@@ -462,18 +466,22 @@ def _to_pixels_last(X: torch.Tensor) -> torch.Tensor:
 
 
 def _primal_spread(L: torch.Tensor, T: torch.Tensor | None, lam: float, full: bool) -> Spread:
+    """The spread ``Z = L⁻¹T``, ``T`` lower triangular (None: the identity)."""
     coef, _, p = L.shape
     rhs = torch.eye(coef, dtype=L.dtype, device=L.device) if T is None else T
     # Z = L⁻¹T per pixel, so that ZᵀZ = (XᵀX + λI)⁻¹: forward substitution on the
     # pixels-last factor, elementwise per pixel (each pixel's result is independent of
     # the batch), without a pixels-first copy of L or a batched LAPACK call per pixel.
+    # L and T lower triangular: so is Z, and row i needs only its first i+1 columns.
     Z = rhs[:, :, None].expand(coef, coef, p).clone()
     var = torch.zeros((coef, p), dtype=L.dtype, device=L.device)
+    dinv = 1.0 / torch.diagonal(L, dim1=0, dim2=1).T  # (coef, P)
     for i in range(coef):
-        Z[i] /= L[i, i]
+        zi = Z[i, : i + 1]
+        zi *= dinv[i]
         if i + 1 < coef:
-            Z[i + 1 :].addcmul_(L[i + 1 :, i][:, None, :], Z[i][None], value=-1)
-        var.addcmul_(Z[i], Z[i])  # diag(ZᵀZ), row by row while Z[i] is final (and in cache)
+            Z[i + 1 :, : i + 1].addcmul_(L[i + 1 :, i][:, None, :], zi[None], value=-1)
+        var[: i + 1].addcmul_(zi, zi)  # diag(ZᵀZ), row by row while Z[i] is final (and in cache)
     if lam:
         # the ridge sandwich M⁻¹XᵀXM⁻¹ = M⁻¹ − λM⁻², M = XᵀX + λI; tr(H) = coef − λ tr(M⁻¹)
         Minv = _gram(Z)

@@ -423,31 +423,69 @@ def solve_block(
 
 
 class _Moments:
-    """Per-pixel pieces of the uncertainty of a block, filled path by path (float64)."""
+    """The uncertainty results of a block, filled path by path as pixels are solved."""
 
-    def __init__(self, coef: int, n_px: int, full: bool) -> None:
-        self.wrms = np.full(n_px, np.nan)  # √(Σ w r² / n_valid)
-        self.trms = np.full(n_px, np.nan)  # √(Σ w (b − b̄_w)² / n_valid), or about 0
-        self.edf = np.full(n_px, np.nan)  # effective number of parameters tr(H)
-        self.var = np.full((coef, n_px), np.nan)  # unscaled variances; NaN: not identifiable
-        self.cov = np.full((coef, coef, n_px), np.nan) if full else None
+    def __init__(self, coef: int, n_px: int, config: LstsqSolve) -> None:
+        self.config = config
+        dtype = np.dtype(config.dtype)
+        specs = dict(UNCERTAINTY_OUTPUTS)
+        if config.uncertainty == "cov":
+            specs["coef_cov"] = ArraySpec(("coef", "coef2", "y", "x"), "f")
+        # Filled as paths solve pixels; what none fills is set once, at the end (finish).
+        self.out = {
+            name: np.empty(
+                (*[coef for d in spec.dims if d.startswith("coef")], n_px),
+                dtype if spec.kinds == "f" else np.dtype(np.int8),
+            )
+            for name, spec in specs.items()
+        }
+        self.done = np.zeros(n_px, dtype=bool)
 
     def put(
         self,
-        idx: np.ndarray,
+        idx: np.ndarray | slice,
+        C: np.ndarray,
+        n_valid: np.ndarray,
+        status: np.ndarray,
         wrms: np.ndarray | None,
         trms: np.ndarray | None,
         var: np.ndarray,
         edf: np.ndarray | float,
         cov: np.ndarray | None,
     ) -> None:
-        """Pixels ``idx``; ``var``/``cov`` without a pixel axis are shared by all of them."""
-        if wrms is not None and trms is not None:
-            self.wrms[idx], self.trms[idx] = wrms, trms
-        self.edf[idx] = edf
-        self.var[:, idx] = var if var.ndim == 2 else var[:, None]
-        if self.cov is not None and cov is not None:
-            self.cov[:, :, idx] = cov if cov.ndim == 3 else cov[:, :, None]
+        """Pixels ``idx``, from their stored coefficients ``C`` (coef, n), counts and status.
+
+        With their weighted residual and data RMS and their unscaled spread;
+        ``var``/``cov`` without a pixel axis are shared by all of them.
+        """
+        unknown = np.full(C.shape[1], np.nan)
+        stats = _statistics(
+            C,
+            n_valid,
+            status,
+            unknown if wrms is None else wrms,
+            unknown if trms is None else trms,
+            var,
+            edf,
+            cov,
+            self.config,
+        )
+        for name, values in stats.items():
+            self.out[name][..., idx] = values
+        self.done[idx] = True
+
+    def finish(self, C: np.ndarray, status: np.ndarray) -> dict[str, np.ndarray]:
+        """The results of every pixel: those no path filled have NaN and their flags."""
+        left = ~self.done
+        if left.any():
+            solved = _solved(C[:, left], status[left])
+            for name, arr in self.out.items():
+                if name == "uncertainty_flags":
+                    # solved without a spread: not identifiable, no dof (as NaN moments give)
+                    arr[left] = np.where(solved, 1 | 2, 4)
+                else:
+                    arr[..., left] = np.nan
+        return self.out
 
 
 def _shared_spread(
@@ -460,20 +498,35 @@ def _shared_spread(
     return linalg.operator_spread(Pw, Aw, ident, full)
 
 
+def _solved(C: np.ndarray, status: np.ndarray) -> np.ndarray:
+    ok_codes = (linalg.OK, linalg.FELL_BACK_RIDGE, linalg.FELL_BACK_MINNORM)
+    solved: np.ndarray = np.isin(status, ok_codes) & np.isfinite(C).all(axis=0)
+    return solved
+
+
 def _statistics(
     C: np.ndarray,
     n_valid: np.ndarray,
     status: np.ndarray,
-    mom: _Moments,
+    wrms: np.ndarray,
+    trms: np.ndarray,
+    var: np.ndarray,
+    edf: np.ndarray | float,
+    cov: np.ndarray | None,
     config: LstsqSolve,
 ) -> dict[str, np.ndarray]:
-    """Standard errors, t, p-values, dof, R², flags (and covariance) of a block's pixels."""
+    """Standard errors, t, dof, R², flags (and covariance) of pixels solved together.
+
+    ``var`` (coef, n) or (coef,) and ``cov`` are the unscaled spread, NaN where
+    a coefficient is not identifiable; the p-values are the writer's
+    (:func:`p_values`).
+    """
     dtype = np.dtype(config.dtype)
-    ok_codes = (linalg.OK, linalg.FELL_BACK_RIDGE, linalg.FELL_BACK_MINNORM)
-    solved = np.isin(status, ok_codes) & np.isfinite(C).all(axis=0)
+    solved = _solved(C, status)
     n = n_valid.astype(np.float64)
+    var = var if var.ndim == 2 else var[:, None]
     with np.errstate(all="ignore"):
-        dof = np.where(solved, n - mom.edf, np.nan)
+        dof = np.where(solved, n - edf, np.nan)
         # the effective rank is an integer unless ridge shrinks it: drop its rounding
         if config.policy != "ridge":
             whole = np.round(dof)
@@ -481,25 +534,26 @@ def _statistics(
             dof = np.where(exact, whole, dof) + 0.0  # no −0
         if config.cov_scale == "residual":
             # σ = wrms·√(n/dof), in roots so that squares of extreme data cannot overflow
-            sigma = np.where(solved & (dof > 0), mom.wrms * np.sqrt(n / dof), np.nan)
+            sigma = np.where(solved & (dof > 0), wrms * np.sqrt(n / dof), np.nan)
         else:
             sigma = np.where(solved, 1.0, np.nan)
-        stderr = sigma * np.sqrt(mom.var)
-        t = C.astype(np.float64) / stderr
-        r2 = np.where(solved, 1.0 - (mom.wrms / mom.trms) ** 2, np.nan)
-    flags = (
-        (solved & np.isnan(mom.var).any(axis=0)) * 1 + (solved & ~(dof > 0)) * 2 + (~solved) * 4
-    ).astype(np.int8)
+        stderr = np.sqrt(var) * sigma
+        t = C / stderr
+        r2 = np.where(solved, 1.0 - (wrms / trms) ** 2, np.nan)
+    # var ≥ 0 or NaN (not identifiable): a column sum is NaN exactly where one is
+    unidentified = np.isnan(var.sum(axis=0))
+    flags = np.where(solved, unidentified * 1 + ~(dof > 0) * 2, 4).astype(np.int8)
     out = {
-        "coef_stderr": stderr.astype(dtype),
-        "t_value": t.astype(dtype),
-        "dof": dof.astype(dtype),
-        "r2": r2.astype(dtype),
+        "coef_stderr": stderr.astype(dtype, copy=False),
+        "t_value": t.astype(dtype, copy=False),
+        "dof": dof.astype(dtype, copy=False),
+        "r2": r2.astype(dtype, copy=False),
         "uncertainty_flags": flags,
     }
-    if mom.cov is not None:
+    if cov is not None:
+        cov = cov if cov.ndim == 3 else cov[:, :, None]
         with np.errstate(all="ignore"):
-            out["coef_cov"] = (mom.cov * (sigma * sigma)).astype(dtype)
+            out["coef_cov"] = (cov * (sigma * sigma)).astype(dtype, copy=False)
     return out
 
 
@@ -548,7 +602,7 @@ class _Block:
         clock = time.perf_counter()
         n_px = B.shape[1]
         full = config.uncertainty == "cov"
-        mom = _Moments(op.A.shape[1], n_px, full) if config.uncertainty != "none" else None
+        mom = _Moments(op.A.shape[1], n_px, config) if config.uncertainty != "none" else None
         return cls(
             B=B,
             op=op,
@@ -650,8 +704,9 @@ def _solve_gapless(blk: _Block) -> StageOutput:
     }
     if mom is not None:
         all_rows = np.ones(n_obs, dtype=bool)
-        mom.put(np.arange(n_px), wrms, trms, *_shared_spread(op, all_rows, blk.full))
-        arrays.update(_statistics(C, arrays["n_valid"], blk.status, mom, blk.config))
+        spread = _shared_spread(op, all_rows, blk.full)
+        mom.put(slice(None), C, arrays["n_valid"], blk.status, wrms, trms, *spread)
+        arrays.update(mom.finish(C, blk.status))
     blk.seconds["shared"] = time.perf_counter() - t0
     return StageOutput(
         arrays=arrays,
@@ -724,9 +779,9 @@ def _solve_group(
         sw=op.sqrtw[rows] if mom is not None else None,
         centred=gop.spans,
     )
-    if mom is not None and gop.spread is not None:
-        mom.put(idx, wrms, trms, *gop.spread)
     blk.status[idx] = gop.status
+    if mom is not None and gop.spread is not None:
+        mom.put(idx, g.C[:, idx], g.n_valid[idx], blk.status[idx], wrms, trms, *gop.spread)
     g.per_pixel[idx] = False
     return gop.path
 
@@ -861,25 +916,29 @@ def _solve_batch(
     n_v = torch.from_numpy(g.n_valid[sel].astype(np.float64)).to(device)
     r_t = linalg.column_rms(R, n_v)
     r = r_t.cpu().numpy()
+    xs, sts = x.cpu().numpy(), px_status.cpu().numpy()
+    on: slice | np.ndarray
+    pick: slice | np.ndarray
+    if isinstance(sel, slice) and active.all():  # no gathers: most batches of a cloudy tile
+        on, pick = sel, slice(None)
+    else:
+        on = (np.flatnonzero(active) + sel.start) if isinstance(sel, slice) else sel
+        pick = active
+    g.C[:, on], g.rms[on], blk.status[on] = xs[:, pick], r[pick], sts[pick]
     if mom is not None and sp is not None:
         plain = systems.own_weights is None and systems.unweighted
         wr, tr = _batch_moments(R, B0, Wp, n_v, r_t, sp.spans, plain)
-        on = np.arange(blk.B.shape[1])[sel][active]
-        cov = None if sp.cov is None else sp.cov[:, :, active].cpu().numpy()
         mom.put(
             on,
-            wr.cpu().numpy()[active],
-            tr.cpu().numpy()[active],
-            sp.var[:, active].cpu().numpy(),
-            sp.edf.cpu().numpy()[active],
-            cov,
+            g.C[:, on],
+            g.n_valid[on],
+            blk.status[on],
+            wr.cpu().numpy()[pick],
+            tr.cpu().numpy()[pick],
+            sp.var.cpu().numpy()[:, pick],
+            sp.edf.cpu().numpy()[pick],
+            None if sp.cov is None else sp.cov.cpu().numpy()[:, :, pick],
         )
-    xs, sts = x.cpu().numpy(), px_status.cpu().numpy()
-    if isinstance(sel, slice) and active.all():
-        g.C[:, sel], g.rms[sel], blk.status[sel] = xs, r, sts
-    else:
-        cols = (np.flatnonzero(active) + sel.start) if isinstance(sel, slice) else sel
-        g.C[:, cols], g.rms[cols], blk.status[cols] = xs[:, active], r[active], sts[active]
 
 
 def _batch_moments(
@@ -898,11 +957,24 @@ def _batch_moments(
     """
     SW = Wp if plain else Wp.sqrt()
     wr = r_t if plain else linalg.column_rms(R * SW, n_v)
+    # Means by a matrix product (one kernel, not a row-by-row sum): the centred sum
+    # below is exact about any centre, and off by n·(error of the mean)², which is
+    # far below its own rounding, so the mean need not be summed in a fixed order.
+    ones = torch.ones((1, B0.shape[0]), dtype=B0.dtype, device=B0.device)
     if plain:  # B0 is 0 where invalid, Σ Wp = n_valid
-        mean = linalg.stable_sum(B0) / n_v
+        mean = linalg.colmm(ones, B0)[0] / n_v
     else:
-        mean = linalg.stable_sum(Wp * B0) / linalg.stable_sum(Wp)
-    tr = linalg.column_rms((B0 - mean[None, :]).mul_(SW), n_v)
+        mean = linalg.colmm(ones, Wp * B0)[0] / linalg.colmm(ones, Wp)[0]
+    D = (B0 - mean[None, :]).mul_(SW)
+    # Σ d² by the same product (no fixed order needed: R² is not bit-compared); columns
+    # whose sum overflowed or may have lost squares to underflow are redone with care.
+    ss = linalg.colmm(ones, D * D)[0]
+    fi = torch.finfo(D.dtype)
+    redo = ~((ss >= 4 * D.shape[0] * fi.tiny / fi.eps) & (ss <= fi.max))
+    tr = torch.sqrt(ss / n_v)
+    if bool(redo.any()):
+        cols = torch.nonzero(redo).flatten()
+        tr[cols] = linalg.column_rms(D[:, cols], n_v[cols])
     if not bool(spans.all()):
         tr = torch.where(spans, tr, linalg.column_rms(B0 * SW, n_v))
     return wr, tr
@@ -921,7 +993,7 @@ def _gappy_output(blk: _Block, g: _Gappy) -> StageOutput:
         "status": blk.status,
     }
     if blk.mom is not None:
-        arrays.update(_statistics(g.C, g.n_valid, blk.status, blk.mom, blk.config))
+        arrays.update(blk.mom.finish(g.C, blk.status))
     return StageOutput(
         arrays=arrays,
         meta={"status_counts": counts_by_status, "paths": blk.paths, "seconds": blk.seconds},
