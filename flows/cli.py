@@ -10,9 +10,10 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,10 +153,31 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         _prefect("work-pool", "inspect", args.pool), env=env, capture_output=True, text=True
     )
     if inspect.returncode != 0:
-        subprocess.run(
-            _prefect("work-pool", "create", args.pool, "--type", "process"), env=env, check=True
-        )
-    return subprocess.call(_prefect("--no-prompt", "deploy", "--all"), cwd=root, env=env)
+        made = _prefect_said(_prefect("work-pool", "create", args.pool, "--type", "process"), env)
+        if made != 0:
+            return made
+    return _prefect_said(_prefect("--no-prompt", "deploy", "--all"), env, root)
+
+
+_PREFECT_WORKER = re.compile(r"prefect worker start --pool '?([^'\s]+)'?")
+
+
+def _prefect_said(cmd: list[str], env: Mapping[str, str], cwd: Path | None = None) -> int:
+    """Run a prefect command, its output passed through with its worker hints made ours."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        # Prefect suggests its own worker; ours stops with its parent (README, Team setup)
+        sys.stdout.write(_PREFECT_WORKER.sub(r"gridsolve worker --pool \1", line))
+        sys.stdout.flush()
+    return proc.wait()
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

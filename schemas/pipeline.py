@@ -108,7 +108,21 @@ class StageKind:
         variants = []
         for cls in _config_classes(self.kind).values():
             js = cls.model_json_schema()
-            variants.append(_inline_refs(js, js.get("$defs", {})))
+            variant = _inline_refs(js, js.get("$defs", {}))
+            props = variant.get("properties", {})
+            if "impl" in props and "const" in props["impl"]:
+                # a one-value enum, described: Prefect's form shows a bare const as
+                # "Impl is a const"; the variant itself is picked by the selector above it
+                impl = props["impl"]["const"]
+                props["impl"] = {
+                    "title": "Implementation",
+                    "description": f"The {self.kind} implementation of this section: "
+                    f"{impl}. Choose another with the selector above.",
+                    "enum": [impl],
+                    "default": impl,
+                    "type": "string",
+                }
+            variants.append(variant)
         if len(variants) == 1:
             only: dict[str, Any] = variants[0]
             return only
@@ -182,6 +196,13 @@ def config_error_from_validation(err: ValidationError, source: str = "config") -
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key (remove it or check the spelling)"
+        elif e["type"] == "missing" and loc == "design":
+            msg = (
+                "required: the linear model fitted at every pixel has no default for your "
+                "data — e.g. {impl: polynomial, degree: 1} (a trend) or {impl: harmonic, "
+                "harmonics: 1} (a trend and the annual cycle); only a demo load implies the "
+                "demo's design"
+            )
         elif e["type"] == "missing":
             msg = "required field is missing"
         elif (
@@ -200,8 +221,14 @@ def config_error_from_validation(err: ValidationError, source: str = "config") -
 
 def build_config(raw: Mapping[str, Any], source: str = "config") -> PipelineConfig:
     """Validate a raw mapping into a PipelineConfig, or raise one ConfigError with every problem."""
+    raw = dict(raw)
+    load = raw.get("load")
+    if isinstance(load, Mapping) and load.get("impl") == "demo":
+        # the demo cube was made for the demo's design and model: as the deployments' defaults
+        for kind in ("design", "model"):
+            raw.setdefault(kind, DEMO_DEFAULTS[kind])
     try:
-        return PipelineConfig.model_validate(dict(raw))
+        return PipelineConfig.model_validate(raw)
     except ValidationError as err:
         raise config_error_from_validation(err, source) from None
 

@@ -197,6 +197,8 @@ def deployments(prefect_server: LocalServer) -> dict[str, str]:
         [GRIDSOLVE, "deploy", "--project", str(REPO)], capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # Prefect's hint names its own worker; gridsolve's output names the README's
+    assert "prefect worker start" not in res.stdout + res.stderr
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:

@@ -83,6 +83,13 @@ def test_custom_run_from_the_form(
         try:
             page.goto(url)
             field(page, "Ridge (Optional)").wait_for(timeout=60_000)
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(tmp_path / "ui-form.png"), full_page=True)
+            # Each section's implementation is a described field, not a bare const box.
+            text = page.inner_text("body")
+            assert "is a const" not in text
+            assert "The solve implementation of this section: lstsq." in text
+            assert "Ridge λ" in text  # field descriptions are shown
 
             # An invalid value is refused by the form, and nothing is created.
             choose(page, "Policy (Optional)", "ridge")
@@ -143,3 +150,40 @@ def test_custom_run_from_the_form(
             page.screenshot(path=str(tmp_path / "ui-quicklook.png"), full_page=True)
         finally:
             browser.close()
+
+
+def test_failed_run_log_in_the_ui_shows_the_message_once_without_traceback(
+    prefect_server: Any, deployments: dict[str, str], tmp_path: Path
+) -> None:
+    """What a team sees on a failed run's page: one message, named stage, no traceback."""
+    from playwright.sync_api import sync_playwright
+    from prefect.deployments import run_deployment
+
+    missing = tmp_path / "nowhere.nc"
+    params = {
+        "load": {"impl": "netcdf", "path": str(missing)},
+        "design": {"impl": "polynomial", "degree": 1},
+        "write": {"impl": "netcdf", "path": str(tmp_path / "out.nc")},
+        "cache": {"root": str(tmp_path / "cache")},
+    }
+    run = run_deployment("gridsolve/on-demand", parameters=params, timeout=600)
+    assert run.state is not None and run.state.is_failed(), run.state
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        try:
+            page.goto(f"{prefect_server.url}/runs/flow-run/{run.id}")
+            page.get_by_text("input file not found").first.wait_for(timeout=60_000)
+            page.wait_for_timeout(2000)  # the rest of the log arrives
+            shot = tmp_path / "ui-failed-log.png"
+            page.screenshot(path=str(shot), full_page=True)
+            text = page.inner_text("body")
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 10_000
+    assert "Traceback" not in text, text
+    lines = [ln for ln in text.splitlines() if "input file not found" in ln]
+    # once in the log (the run's state message is shown apart, in the header)
+    log_lines = [ln for ln in lines if "[load/netcdf]" in ln]
+    assert len(log_lines) == 1, lines
+    assert str(missing) in text

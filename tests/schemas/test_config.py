@@ -12,7 +12,7 @@ from gridsolve.schemas.errors import ConfigError
 from gridsolve.schemas.execution import parse_size
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.schemas.kinds.write import NetCDFWrite
-from gridsolve.schemas.pipeline import DEMO_DEFAULTS, PipelineConfig, build_config
+from gridsolve.schemas.pipeline import DEMO, DEMO_DEFAULTS, PipelineConfig, build_config
 from gridsolve.schemas.reading import apply_overrides, load_config
 from gridsolve.stages.engine.hashing import canonical_json
 
@@ -58,6 +58,27 @@ def test_unknown_impl_lists_known_and_suggests() -> None:
 def test_design_without_impl_asks_for_one() -> None:
     with pytest.raises(ConfigError, match="choose an implementation with impl"):
         build_config({**DEMO_DEFAULTS, "design": {"degree": 2}})
+
+
+def test_a_demo_load_implies_the_demo_design_and_model_as_the_deployments_do() -> None:
+    cfg = build_config({"load": {"impl": "demo"}, "write": {"path": "out.nc"}})
+    assert cfg.design == DEMO.design and cfg.model == DEMO.model
+    # what the user sets is kept
+    cfg = build_config(
+        {"load": {"impl": "demo"}, "design": {"impl": "random", "coef": 100, "seed": 3}}
+    )
+    assert cfg.design.model_dump() == {"impl": "random", "coef": 100, "seed": 3}
+
+
+def test_real_data_without_a_design_gets_one_message_with_examples(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_config({"load": {"path": str(tmp_path / "x.nc")}, "write": {"path": "o.nc"}})
+    assert err.value.violations == [
+        "design: required: the linear model fitted at every pixel has no default for your "
+        "data — e.g. {impl: polynomial, degree: 1} (a trend) or {impl: harmonic, "
+        "harmonics: 1} (a trend and the annual cycle); only a demo load implies the "
+        "demo's design"
+    ]
 
 
 def test_ridge_policy_needs_positive_lambda() -> None:
@@ -146,8 +167,12 @@ def test_json_schema_lists_every_impl_with_bounds() -> None:
         "multidim_linear",
         "module",
     ):
-        assert f'"const": "{impl}"' in text
+        assert f'"enum": ["{impl}"]' in text
     solve = schema["properties"]["solve"]
+    # Prefect's form shows a const as "Impl is a const": a described one-value enum instead
+    assert '"const"' not in text
+    assert solve["properties"]["impl"]["title"] == "Implementation"
+    assert "selector above" in solve["properties"]["impl"]["description"]
     assert solve["properties"]["ridge"]["minimum"] == 0
 
 
