@@ -121,7 +121,21 @@ def _need_api() -> str:
             fix="start one with `gridsolve server`, then "
             "`export PREFECT_API_URL=http://127.0.0.1:4200/api`",
         )
+    _check_login(url)
     return url
+
+
+def _check_login(api: str) -> None:
+    """A ConfigError when a server with basic auth refuses this client's login (or lack of it)."""
+    from gridsolve.flows.localserver import api_refusal
+
+    refusal = api_refusal(api, os.environ.get("PREFECT_API_AUTH_STRING"))
+    if refusal is not None:
+        raise ConfigError(
+            refusal,
+            fix="export PREFECT_API_AUTH_STRING=user:password, the server's "
+            "PREFECT_SERVER_API_AUTH_STRING (every client, worker and Dask worker needs it)",
+        )
 
 
 def cmd_server(args: argparse.Namespace) -> int:
@@ -139,6 +153,14 @@ def cmd_server(args: argparse.Namespace) -> int:
         )
     server = LocalServer(home, port=args.port, host=args.host)
     print(f"Prefect UI at {server.url}; in other shells:\n  export PREFECT_API_URL={server.api}")
+    if os.environ.get("PREFECT_SERVER_API_AUTH_STRING"):
+        # the secret is never printed: the user set it and knows it
+        print("  export PREFECT_API_AUTH_STRING=…  # the same user:password as this server's")
+    elif args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"warning: anyone who reaches {args.host}:{args.port} can start runs; set "
+            "PREFECT_SERVER_API_AUTH_STRING=user:password for this server (README, Team setup)"
+        )
     print("Stop with Ctrl-C or SIGTERM: the server and everything it started stop with it.")
     sys.stdout.flush()
     return supervise(server.command(), server.env())
@@ -319,6 +341,8 @@ def _run(config_path: Path, overrides: Sequence[str], debug: bool = False) -> in
     if not debug:
         install(cli=True)  # main() prints a user error; Prefect's console log must not repeat it
     cfg = load_config(config_path, overrides)
+    if os.environ.get("PREFECT_API_URL"):
+        _check_login(os.environ["PREFECT_API_URL"])  # before any work, not as a traceback after
     summary = run_config(cfg)
     print(summary.table())
     print(f"tiles: {summary.tiles}")

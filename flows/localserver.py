@@ -7,6 +7,7 @@ session so that stopping it stops every process it spawned.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import signal
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -114,8 +116,10 @@ class LocalServer:
         port: int | None = None,
         host: str = "127.0.0.1",
         scheduler_seconds: int | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.home = Path(home)
+        self.extra_env = dict(extra_env or {})
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
@@ -140,7 +144,7 @@ class LocalServer:
 
     def env(self) -> dict[str, str]:
         """The server's environment."""
-        return server_env(self.home, self.api, self.scheduler_seconds)
+        return {**server_env(self.home, self.api, self.scheduler_seconds), **self.extra_env}
 
     def healthy(self) -> bool:
         """Whether the API answers its health check."""
@@ -185,3 +189,26 @@ class LocalServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def api_refusal(api: str, auth: str | None, timeout: float = 10.0) -> str | None:
+    """Why the Prefect API at ``api`` refuses this client (basic auth ``auth``), or None.
+
+    One authenticated request (the server's version); None also when the server
+    cannot be reached, which Prefect's client reports itself.
+    """
+    req = urllib.request.Request(f"{api.rstrip('/')}/admin/version")
+    if auth:
+        token = base64.b64encode(auth.encode("utf-8")).decode("ascii")
+        req.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout):
+            return None
+    except urllib.error.HTTPError as err:
+        if err.code != 401:
+            return None
+        if auth:
+            return f"the Prefect server at {api} refused PREFECT_API_AUTH_STRING (401 Unauthorized)"
+        return f"the Prefect server at {api} requires a login (401 Unauthorized)"
+    except OSError:
+        return None

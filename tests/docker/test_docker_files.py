@@ -67,3 +67,18 @@ def test_compose_worker_shares_data_and_talks_to_the_server() -> None:
     assert s["deploy"]["build"]["dockerfile"] == "docker/Dockerfile"
     assert (DOCKER.parent / s["deploy"]["build"]["context"].replace("..", ".")).exists()
     assert set(compose()["volumes"]) == {"postgres", "data"}
+
+
+def test_compose_requires_one_login_for_the_server_and_its_clients() -> None:
+    """Basic auth: the server demands PREFECT_AUTH; deploy and the worker send the same one."""
+    s = compose()["services"]
+    required = "${PREFECT_AUTH:?"  # compose refuses to start when it is unset
+    assert s["server"]["environment"]["PREFECT_SERVER_API_AUTH_STRING"].startswith(required)
+    for name in ("deploy", "worker"):
+        env = s[name]["environment"]
+        assert (
+            env["PREFECT_API_AUTH_STRING"]
+            == s["server"]["environment"]["PREFECT_SERVER_API_AUTH_STRING"]
+        )
+    # the server's health check stays unauthenticated (Prefect exempts /api/health)
+    assert "/api/health" in " ".join(s["server"]["healthcheck"]["test"])
