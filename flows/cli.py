@@ -178,7 +178,14 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         made = _prefect_said(_prefect("work-pool", "create", args.pool, "--type", "process"), env)
         if made != 0:
             return made
-    return _prefect_said(_prefect("--no-prompt", "deploy", "--all"), env, root)
+    deployed = _prefect_said(_prefect("--no-prompt", "deploy", "--all"), env, root)
+    if deployed != 0:
+        return deployed
+    from gridsolve.flows.automations import install_automations
+
+    for name in install_automations():
+        print(f"automation: {name}")
+    return 0
 
 
 _PREFECT_WORKER = re.compile(r"prefect worker start --pool '?([^'\s]+)'?")

@@ -32,10 +32,11 @@ from prefect.runtime import deployment as rt_deployment
 from prefect.runtime import flow_run as rt_flow_run
 from pydantic import BaseModel, ConfigDict
 
+from gridsolve.flows.automations import SCHEDULED_TAG
 from gridsolve.flows.failures import install as install_failure_logging
 from gridsolve.flows.failures import noting_user_errors
+from gridsolve.flows.quicklook import Caption, config_summary, write_loss_curve, write_quicklook
 from gridsolve.flows.quicklook import markdown as quicklook_markdown
-from gridsolve.flows.quicklook import write_loss_curve, write_quicklook
 from gridsolve.schemas import templating
 from gridsolve.schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
 from gridsolve.schemas.base import StageConfig
@@ -244,7 +245,8 @@ class StageSummary(BaseModel):
     hit: bool
     seconds: float
     pixels: int
-    pixels_per_second: float
+    #: None for a stage that is not tiled over pixels (or took no measurable time)
+    pixels_per_second: float | None
 
 
 class RunSummary(BaseModel):
@@ -269,7 +271,7 @@ class RunSummary(BaseModel):
         head = f"{'stage':<17}{'impl':<16}{'key':<14}{'cache':<14}{'seconds':>9}{'pixels/s':>14}"
         lines = [head, "-" * len(head)]
         for s in self.stages:
-            pps = f"{s.pixels_per_second:,.0f}" if s.pixels else ""
+            pps = f"{s.pixels_per_second:,.0f}" if s.pixels_per_second is not None else ""
             lines.append(
                 f"{s.stage:<17}{s.impl:<16}{s.key[:12]:<14}{s.cache:<14}{s.seconds:>9.2f}{pps:>14}"
             )
@@ -293,7 +295,7 @@ def _row(
         hit=h == n,
         seconds=round(seconds, 4),
         pixels=pixels,
-        pixels_per_second=round(pixels / seconds, 1) if seconds > 0 and pixels else 0.0,
+        pixels_per_second=round(pixels / seconds, 1) if seconds > 0 and pixels else None,
     )
 
 
@@ -489,7 +491,8 @@ def dask_runner(execution: ExecutionConfig) -> Any:
     from prefect_dask.task_runners import DaskTaskRunner
 
     if execution.dask_address:
-        # Workers of an existing cluster need gridsolve, PREFECT_API_URL and the store's path.
+        # Workers of an existing cluster need gridsolve, PREFECT_API_URL (and
+        # PREFECT_API_AUTH_STRING with a login) and the store's path.
         return DaskTaskRunner(address=execution.dask_address)
     threads = str(max(1, (os.cpu_count() or 1) // execution.dask_workers))
     env = {
@@ -499,6 +502,9 @@ def dask_runner(execution: ExecutionConfig) -> Any:
         "OMP_NUM_THREADS": threads,
         "MKL_NUM_THREADS": threads,
     }
+    auth = get_current_settings().api.auth_string
+    if auth is not None and auth.get_secret_value():
+        env["PREFECT_API_AUTH_STRING"] = auth.get_secret_value()  # a server with basic auth
     return DaskTaskRunner(
         cluster_class="distributed.LocalCluster",
         cluster_kwargs={
@@ -571,8 +577,8 @@ def _prepare(
     return prepared
 
 
-#: Flow runs of deployments with this tag (the nightly one) never process the demo cube.
-SCHEDULED_TAG = "scheduled"
+#: Flow runs of deployments tagged SCHEDULED_TAG (the nightly one) never process the
+#: demo cube, and are retried once when they crash (flows/automations.py).
 
 
 def refuse_demo_on_schedule(cfg: PipelineConfig) -> None:
@@ -667,11 +673,15 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         tiles=len(tiles or []),
         flow_run_id=str(rt_flow_run.id) if rt_flow_run.id else None,
     )
-    _publish(summary, getattr(cfg.write, "storage_options", None))
+    _publish(summary, getattr(cfg.write, "storage_options", None), cfg)
     return summary
 
 
-def _publish(summary: RunSummary, options: Mapping[str, Any] | None = None) -> None:
+def _publish(
+    summary: RunSummary,
+    options: Mapping[str, Any] | None = None,
+    cfg: PipelineConfig | None = None,
+) -> None:
     """The run's artifacts in Prefect: the summary table and the quick-look picture."""
     logger = get_run_logger()
     counts = "; ".join(
@@ -686,7 +696,8 @@ def _publish(summary: RunSummary, options: Mapping[str, Any] | None = None) -> N
                 "key": r.key,
                 "cache": r.cache,
                 "seconds": float(r.seconds),
-                "pixels_per_second": float(r.pixels_per_second),
+                # empty, not 0, for a stage that is not per pixel
+                "pixels_per_second": r.pixels_per_second,
             }
             for r in summary.stages
         ],
@@ -695,7 +706,12 @@ def _publish(summary: RunSummary, options: Mapping[str, Any] | None = None) -> N
     )
     logger.info("wrote %s", summary.output)
     try:
-        picture, png = write_quicklook(summary.output, options)
+        caption = Caption(
+            run=rt_flow_run.name or None,
+            deployment=rt_deployment.name or None,  # None for a CLI or local run
+            config=config_summary(cfg) if cfg is not None else "",
+        )
+        picture, png = write_quicklook(summary.output, options, caption)
         create_markdown_artifact(
             markdown=quicklook_markdown(png, picture, summary.output),
             key="gridsolve-quicklook",

@@ -1,4 +1,12 @@
-"""A quick-look picture of an output file: the first coefficient and the residual RMS maps.
+"""A quick-look picture of an output file: maps that say what they show, and a caption.
+
+The maps are the first coefficient, the residual RMS (or, where that is the
+same everywhere, what varies instead: the RMS of the fitted values or the
+valid counts, the reason in the title) and, where the output has a trend with
+p-values, the trend where it is significant. Each map is titled with its
+variable's ``long_name`` and ``units`` and drawn on the map dims' coordinates;
+the caption names the run, its deployment, the config keys that were set and
+the solve status counts of the whole file.
 
 A cube with more batch dims than y and x is shown at their first index.
 """
@@ -7,7 +15,10 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import textwrap
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +29,62 @@ matplotlib.use("Agg")  # headless: no display on workers
 import matplotlib.pyplot as plt
 import numpy as np
 import xarray as xr
+from matplotlib.figure import Figure
+from matplotlib.layout_engine import ConstrainedLayoutEngine
+from pydantic import BaseModel
 
 from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.paths import atomic_file
 
 MAX_SIDE = 300
+#: The percentiles of the finite values that a map's colour scale spans.
+ROBUST_PERCENTILES = (2.0, 98.0)
+DIVERGING_CMAP = "RdBu_r"
+SEQUENTIAL_CMAP = "viridis"
+_PANEL_WIDTH_IN = 4.8
+_TITLE_CHARS = 52  # characters per title line (fits a panel at the title's font size)
+_CAPTION_CHARS_PER_IN = 15.5  # characters per inch of caption at its font size
 
 
-def _thin(a: np.ndarray) -> np.ndarray:
-    step = max(1, int(np.ceil(max(a.shape) / MAX_SIDE)))
-    return a[::step, ::step]
+@dataclass(frozen=True)
+class Caption:
+    """What the caller knows about the run and the output file does not say.
+
+    ``run``: the flow run's name; ``deployment``: the deployment's name (None
+    for a CLI or local run); ``config``: the config keys that were set, as
+    :func:`config_summary` writes them.
+    """
+
+    run: str | None = None
+    deployment: str | None = None
+    config: str = ""
+
+
+def _short(value: Any, width: int) -> str:
+    """``value`` as a short text: a long one keeps its end (a path's file name) after '…'."""
+    text = value if isinstance(value, str) else json.dumps(value, default=str, sort_keys=True)
+    return text if len(text) <= width else "…" + text[-(width - 1) :]
+
+
+def config_summary(cfg: BaseModel, width: int = 420, value_width: int = 28) -> str:
+    """The keys of ``cfg``'s sections that were set, e.g. ``solve.impl=lstsq, solve.policy=…``.
+
+    A section with a key set also shows its ``impl``; values longer than
+    ``value_width`` keep their end, and the whole is cut to ``width`` characters.
+    """
+    items: list[str] = []
+    for name in type(cfg).model_fields:
+        section = getattr(cfg, name)
+        if not isinstance(section, BaseModel):
+            if name in cfg.model_fields_set:
+                items.append(f"{name}={_short(section, value_width)}")
+            continue
+        keys = [k for k in type(section).model_fields if k in section.model_fields_set]
+        if keys and "impl" in type(section).model_fields and "impl" not in keys:
+            keys.insert(0, "impl")
+        items += [f"{name}.{k}={_short(getattr(section, k), value_width)}" for k in keys]
+    text = ", ".join(items)
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def open_output(output: str | Path, options: Mapping[str, Any] | None = None) -> xr.Dataset:
@@ -84,36 +141,379 @@ def significant_trend(ds: xr.Dataset, level: float = 0.05) -> tuple[np.ndarray, 
     return shown, fraction
 
 
-def quicklook_png(output: str | Path, options: Mapping[str, Any] | None = None) -> bytes:
-    """PNG bytes of maps of ``output``: ``coefficients[0]``, ``residual_rms``, significance.
+def status_counts(ds: xr.Dataset, name: str = "status") -> list[tuple[str, int]]:
+    """How many pixels of the whole file have each status, by its flag meaning, in flag order.
 
-    The third map, where the output has a trend with p-values, is the trend
-    where it is significant (p < 0.05), blank elsewhere.
+    Read from the ``status`` variable and its ``flag_values``/``flag_meanings``;
+    a code without a meaning is named ``code N``, a missing value ``missing``.
+    Empty when the file has no such variable.
+    """
+    if name not in ds:
+        return []
+    var = ds[name]
+    values = np.asarray(var.values).ravel()
+    codes = np.atleast_1d(np.asarray(var.attrs.get("flag_values", []))).tolist()
+    meanings = str(var.attrs.get("flag_meanings", "")).split()
+    named = dict(zip((int(c) for c in codes), meanings, strict=False))
+    missing = ~np.isfinite(values) if values.dtype.kind == "f" else np.zeros(values.shape, bool)
+    found, counts = np.unique(values[~missing].astype(np.int64), return_counts=True)
+    by_code = dict(zip(found.tolist(), counts.tolist(), strict=True))
+    order = [c for c in named if c in by_code] + sorted(c for c in by_code if c not in named)
+    out = [(named.get(c, f"code {c}"), int(by_code[c])) for c in order]
+    if missing.any():
+        out.append(("missing", int(missing.sum())))
+    return out
+
+
+def status_text(ds: xr.Dataset, name: str = "status") -> str:
+    """``solve status of 4096 pixels: ok 4090, too_few_observations 6``, or '' without one."""
+    counts = status_counts(ds, name)
+    if not counts:
+        return ""
+    total = sum(n for _, n in counts)
+    label = str(ds[name].attrs.get("long_name", name))
+    return f"{label} of {total} pixels: " + ", ".join(f"{k} {n}" for k, n in counts)
+
+
+# ---------------------------------------------------------------- panels
+@dataclass(frozen=True)
+class Axis:
+    """One map dim as drawn: the values at the (thinned) pixels and the axis label.
+
+    The values are the coordinate's where it is 1-D, numeric and monotonic, else
+    the pixel indices.
+    """
+
+    values: np.ndarray
+    label: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One map: its (thinned) values and the lines of its title."""
+
+    data: np.ndarray
+    title: list[str]
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A panel's colour scale and what its title adds about the values."""
+
+    vmin: float
+    vmax: float
+    cmap: str
+    extend: str
+    note: str
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def _describe(var: xr.DataArray) -> str:
+    """``long_name (units)`` of a variable, or its name."""
+    long_name = str(var.attrs.get("long_name", var.name))
+    units = var.attrs.get("units")
+    return f"{long_name} ({units})" if units not in (None, "") else long_name
+
+
+def _axis(ds: xr.Dataset, dim: str, n: int) -> Axis:
+    """The values and label of map dim ``dim``: its coordinate where 1-D and monotonic."""
+    if dim in ds.coords and ds[dim].ndim == 1 and ds[dim].size == n:
+        coord = ds[dim]
+        values = np.asarray(coord.values)
+        if values.dtype.kind in "iuf":
+            v = values.astype(np.float64)
+            steps = np.diff(v)
+            if np.isfinite(v).all() and ((steps > 0).all() or (steps < 0).all()):
+                label = str(dim)
+                long_name = coord.attrs.get("long_name")
+                if long_name and str(long_name) != str(dim):
+                    label += f", {long_name}"
+                units = coord.attrs.get("units")
+                if units not in (None, ""):
+                    label += f" ({units})"
+                return Axis(v, label)
+    return Axis(np.arange(n, dtype=np.float64), f"{dim} (index)")
+
+
+def _edges(v: np.ndarray) -> np.ndarray:
+    """Cell edges around centres ``v`` (monotonic): midpoints, the ends extended."""
+    if v.size == 1:
+        return np.array([v[0] - 0.5, v[0] + 0.5])
+    mid = (v[:-1] + v[1:]) / 2
+    return np.concatenate([[2 * v[0] - mid[0]], mid, [2 * v[-1] - mid[-1]]])
+
+
+def colour_scale(data: np.ndarray) -> Scale:
+    """A robust scale of ``data``'s finite values (2nd to 98th percentile).
+
+    Values of both signs get a diverging scale centred on zero (vmin = -vmax);
+    a constant field and one with no finite values say so in ``note``.
+    """
+    finite = data[np.isfinite(data)]
+    if finite.size == 0:
+        return Scale(0.0, 1.0, SEQUENTIAL_CMAP, "neither", "no finite values")
+    low, high = float(finite.min()), float(finite.max())
+    if low == high:
+        pad = max(abs(low) * 0.1, 1.0)
+        return Scale(low - pad, low + pad, SEQUENTIAL_CMAP, "neither", f"constant = {_fmt(low)}")
+    p_lo, p_hi = (float(p) for p in np.percentile(finite, ROBUST_PERCENTILES))
+    if low < 0 < high:
+        vmax = max(abs(p_lo), abs(p_hi)) or max(abs(low), abs(high))
+        vmin, cmap = -vmax, DIVERGING_CMAP
+    else:
+        vmin, vmax, cmap = p_lo, p_hi, SEQUENTIAL_CMAP
+        if vmin == vmax:  # nearly all one value: span the rest too
+            vmin, vmax = low, high
+    extend = {(False, False): "neither", (True, False): "min", (False, True): "max"}.get(
+        (low < vmin, high > vmax), "both"
+    )
+    return Scale(vmin, vmax, cmap, extend, "")
+
+
+def _constant(data: np.ndarray) -> str | None:
+    """What makes ``data`` carry no map ('0 everywhere', 'constant = 3', 'no finite values')."""
+    finite = data[np.isfinite(data)]
+    if finite.size == 0:
+        return "has no finite values"
+    if finite.min() == finite.max():
+        return "is 0 everywhere" if finite.max() == 0 else f"is constant = {_fmt(finite[0])}"
+    return None
+
+
+def _fitted_rms(ds: xr.Dataset, coef: xr.DataArray) -> xr.DataArray | None:
+    """RMS over the observations of the fitted values (design × coefficients), if computable.
+
+    Needs the shared design ``(obs, coef)`` in the output; ``coef`` is the
+    (thinned) coefficients ``(coef, y, x)``. Every observation counts, valid or not.
+    """
+    if "design" not in ds or ds["design"].ndim != 2 or ds["design"].dims[1] != coef.dims[0]:
+        return None
+    a = np.asarray(ds["design"].values, dtype=np.float64)
+    fitted = np.tensordot(a, np.asarray(coef.values, dtype=np.float64), axes=(1, 0))
+    obs = ds["design"].dims[0]
+    attrs = {"long_name": f"RMS over the {len(a)} observations ({obs}) of design × coefficients"}
+    units = ds["residual_rms"].attrs.get("units")
+    if units not in (None, ""):
+        attrs["units"] = str(units)
+    rms = np.sqrt(np.mean(fitted**2, axis=0))
+    return xr.DataArray(rms, dims=coef.dims[1:], name="fitted-value RMS", attrs=attrs)
+
+
+def _at_most_one_observation_per_coefficient(plane: xr.Dataset, n_coef: int) -> bool:
+    """Whether every pixel can be fitted exactly: ``n_valid`` ≤ coefficients, or ``dof`` 0."""
+    for name, bound in (("n_valid", n_coef), ("dof", 0)):
+        if name in plane:
+            values = np.asarray(plane[name].values, dtype=np.float64)
+            finite = values[np.isfinite(values)]
+            if finite.size and (finite <= bound).all():
+                return True
+    return False
+
+
+def _round_off(plane: xr.Dataset, rms: xr.DataArray, fitted: xr.DataArray | None) -> str | None:
+    """'is ≈ 0 everywhere (…)' where the (thinned) residual RMS is round-off of an exact fit.
+
+    Round-off: at most √ε of the residual's dtype times the fitted values' RMS at
+    every pixel; without the design to compare with, a ``dof`` of 0 everywhere.
+    """
+    r = np.asarray(rms.values, dtype=np.float64)
+    ok = np.isfinite(r)
+    if not ok.any():
+        return None
+    kind = rms.dtype if rms.dtype.kind == "f" else np.dtype(np.float64)
+    tol = float(np.sqrt(np.finfo(kind).eps))
+    if fitted is not None:
+        f = np.asarray(fitted.values, dtype=np.float64)
+        negligible = bool((r[ok] <= tol * f[ok]).all())
+    else:
+        dof = np.asarray(plane["dof"].values, dtype=np.float64) if "dof" in plane else None
+        negligible = dof is not None and bool((dof[np.isfinite(dof)] == 0).all())
+    return f"is ≈ 0 everywhere (≤ {r[ok].max():.2g}: round-off)" if negligible else None
+
+
+def _residual_panel(
+    plane: xr.Dataset, coef: xr.DataArray, thin: Mapping[str, slice]
+) -> tuple[xr.DataArray, str]:
+    """The residual RMS map, or, where it is the same everywhere, what varies instead and why.
+
+    Residual RMS that is 0 everywhere (an exact fit: as many coefficients as
+    observations, e.g. the demo's minimum norm with 100 columns and 50
+    observations; or only round-off of one), constant or never finite is
+    replaced by the RMS of the fitted values (where the output holds the
+    design) or else by ``n_valid``; the reason is returned for the title.
+    """
+    rms = plane["residual_rms"]
+    n_coef = int(coef.shape[0])
+    why = _constant(np.asarray(rms.values, dtype=np.float64))  # the whole plane, not thinned
+    fitted = None
+    if why is None:
+        if not _at_most_one_observation_per_coefficient(plane, n_coef):
+            return rms.isel(thin), ""
+        fitted = _fitted_rms(plane, coef)
+        why = _round_off(plane, rms.isel(thin), fitted)
+        if why is None:
+            return rms.isel(thin), ""
+    else:
+        fitted = _fitted_rms(plane, coef)
+    reason = f"residual RMS {why}"
+    if "0 everywhere" in why:
+        n_obs = None
+        if "n_valid" in plane:
+            valid = np.asarray(plane["n_valid"].values, dtype=np.float64)
+            n_obs = int(np.nanmax(valid)) if np.isfinite(valid).any() else None
+        elif "design" in plane and plane["design"].ndim == 2:
+            n_obs = int(plane["design"].shape[0])
+        exact = n_obs is not None and n_coef >= n_obs
+        reason += f" (exact fit: {n_coef} coef ≥ {n_obs} obs)" if exact else " (an exact fit)"
+    candidates = [
+        ("the fitted-value RMS", fitted),
+        ("n_valid", plane["n_valid"].isel(thin) if "n_valid" in plane else None),
+    ]
+    found = [(label, var) for label, var in candidates if var is not None]
+    for label, var in found:
+        if _constant(np.asarray(var.values, dtype=np.float64)) is None:
+            return var, f"{reason} — showing {label}"
+    if found:  # nothing varies: the last resort, its title says it is constant too
+        label, var = found[-1]
+        return var, f"{reason} — showing {label}"
+    return rms.isel(thin), reason
+
+
+def _title(head: str, var: xr.DataArray | None, *more: str) -> list[str]:
+    lines = [head] + ([_describe(var)] if var is not None else []) + [m for m in more if m]
+    return [
+        w
+        for line in lines
+        for w in textwrap.wrap(line, _TITLE_CHARS, break_on_hyphens=False) or [""]
+    ]
+
+
+def _panels(full: xr.Dataset) -> tuple[list[Panel], Axis, Axis]:
+    """The maps of an open output (thinned to at most ``MAX_SIDE`` a side) and their axes."""
+    plane, where = first_plane(full)
+    ydim, xdim = (str(d) for d in full["residual_rms"].dims[-2:])
+    ny, nx = plane.sizes[ydim], plane.sizes[xdim]
+    step = max(1, int(np.ceil(max(ny, nx) / MAX_SIDE)))
+    thin = {ydim: slice(None, None, step), xdim: slice(None, None, step)}
+    shown = plane.isel(thin)
+    yaxis, xaxis = _axis(shown, ydim, shown.sizes[ydim]), _axis(shown, xdim, shown.sizes[xdim])
+
+    def grid(var: xr.DataArray) -> np.ndarray:
+        return np.asarray(var.transpose(ydim, xdim).values, dtype=np.float64)
+
+    coef_var = plane["coefficients"]
+    coef_dim = str(coef_var.dims[0])
+    coefs = coef_var.isel(thin).transpose(coef_dim, ydim, xdim)
+    labels = plane["coef_name"] if "coef_name" in plane.coords else plane.get(coef_dim)
+    name = str(labels.values[0]) if labels is not None else "0"
+    panels = [
+        Panel(
+            grid(coefs.isel({coef_dim: 0})),
+            _title(f"coefficients of column '{name}'", coef_var, where),
+        )
+    ]
+    second, reason = _residual_panel(plane, coefs, thin)
+    panels.append(Panel(grid(second), _title(str(second.name), second, where, reason)))
+    trend = significant_trend(plane)
+    if trend is not None:
+        masked, fraction = trend
+        panels.append(
+            Panel(
+                masked[::step, ::step],
+                _title(
+                    f"trend where p < 0.05 ({100 * fraction:.0f}% of pixels; grey elsewhere)",
+                    plane["trend"],
+                    where,
+                ),
+            )
+        )
+    return panels, xaxis, yaxis
+
+
+def _output_name(output: str | Path) -> str:
+    return str(output).rstrip("/").rsplit("/", 1)[-1]
+
+
+def caption_text(
+    output: str | Path, caption: Caption | None, status: str, width_chars: int = 120
+) -> str:
+    """The figure's caption: run, deployment, output, config keys set, status counts."""
+    lines = []
+    if caption is not None:
+        run = f"run {caption.run}" if caption.run else "unnamed run"
+        deployment = f"deployment {caption.deployment}" if caption.deployment else "no deployment"
+        lines.append(f"{run} · {deployment} · output {_output_name(output)}")
+        if caption.config:
+            lines.append(f"config: {caption.config}")
+    else:
+        lines.append(f"output {_output_name(output)}")
+    if status:
+        lines.append(status)
+    return "\n".join(
+        w for line in lines for w in textwrap.wrap(line, width_chars, break_on_hyphens=False)
+    )
+
+
+def quicklook_figure(
+    output: str | Path, options: Mapping[str, Any] | None = None, caption: Caption | None = None
+) -> Figure:
+    """The quick-look maps of ``output`` as a matplotlib Figure (not registered with pyplot).
+
+    Panels: ``coefficients[0]``; ``residual_rms`` (or what replaces it, see
+    :func:`_residual_panel`); where the output has a trend with p-values, the
+    trend where it is significant (p < 0.05), grey elsewhere. Each is drawn on
+    the map dims' coordinates with a robust colour scale (:func:`colour_scale`).
+    The caption (``fig.texts``) names the run from ``caption`` and the status
+    counts of the whole file.
     """
     with open_output(output, options) as full:
-        ds, where = first_plane(full)
-        coef = _thin(np.asarray(ds["coefficients"].isel(coef=0).values, dtype=np.float64))
-        rms = _thin(np.asarray(ds["residual_rms"].values, dtype=np.float64))
-        labels = ds["coef_name"] if "coef_name" in ds.coords else ds.get("coef")
-        name = str(labels.values[0]) if labels is not None else "0"
-        panels = [(coef, f"coefficient {name}"), (rms, "residual RMS")]
-        trend = significant_trend(ds)
-        if trend is not None:
-            shown, fraction = trend
-            panels.append((_thin(shown), f"trend, p < 0.05 ({100 * fraction:.0f}% of pixels)"))
-    fig, axes = plt.subplots(
-        1, len(panels), figsize=(4 * len(panels), 3.6), dpi=80, constrained_layout=True
-    )
-    for ax, (data, title) in zip(axes, panels, strict=True):
-        im = ax.imshow(data, origin="lower", interpolation="nearest", cmap="viridis")
-        ax.set_title(f"{title}\n{where}" if where else title)
-        ax.set_xticks([])
-        ax.set_yticks([])
-        fig.colorbar(im, ax=ax, shrink=0.8)
+        panels, xaxis, yaxis = _panels(full)
+        status = status_text(full)
+    n = len(panels)
+    width = _PANEL_WIDTH_IN * n
+    text = caption_text(output, caption, status, int(width * _CAPTION_CHARS_PER_IN))
+    caption_h = ((text.count("\n") + 1) * 1.25 * 8 + 10) / 72  # inches, 8 pt lines
+    title_h = max(len(p.title) for p in panels) * 1.25 * 8.5 / 72
+    height = 3.4 + title_h + caption_h
+    bottom = caption_h / height  # the caption's strip, below the maps
+    layout = ConstrainedLayoutEngine(rect=(0, bottom, 1, 1 - bottom))
+    fig = Figure(figsize=(width, height), dpi=90, layout=layout)
+    axes = fig.subplots(1, n, squeeze=False)[0]
+    xe, ye = _edges(xaxis.values), _edges(yaxis.values)
+    for ax, panel in zip(axes, panels, strict=True):
+        scale = colour_scale(panel.data)
+        cmap = matplotlib.colormaps[scale.cmap].with_extremes(bad="0.85")
+        mesh = ax.pcolormesh(
+            xe, ye, panel.data, cmap=cmap, vmin=scale.vmin, vmax=scale.vmax, shading="flat"
+        )
+        said = " ".join(" ".join(panel.title).split())  # the title without its line breaks
+        lines = panel.title + ([scale.note] if scale.note and scale.note not in said else [])
+        ax.set_title("\n".join(lines), fontsize=8.5)
+        ax.set_xlabel(xaxis.label, fontsize=8.5)
+        ax.set_ylabel(yaxis.label, fontsize=8.5)
+        ax.tick_params(labelsize=7.5)
+        if scale.note:
+            ax.text(0.5, 0.5, scale.note, transform=ax.transAxes, ha="center", va="center")
+        bar = fig.colorbar(mesh, ax=ax, shrink=0.85, extend=scale.extend)
+        bar.ax.tick_params(labelsize=7.5)
+    fig.text(0.005, 0.005, text, ha="left", va="bottom", fontsize=8)
+    return fig
+
+
+def _png(fig: Figure) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    plt.close(fig)
     return buf.getvalue()
+
+
+def quicklook_png(
+    output: str | Path, options: Mapping[str, Any] | None = None, caption: Caption | None = None
+) -> bytes:
+    """PNG bytes of :func:`quicklook_figure`."""
+    return _png(quicklook_figure(output, options, caption))
 
 
 def loss_curve_png(output: str | Path, options: Mapping[str, Any] | None = None) -> bytes | None:
@@ -153,10 +553,10 @@ def _write_beside(
 
 
 def write_quicklook(
-    output: str | Path, options: Mapping[str, Any] | None = None
+    output: str | Path, options: Mapping[str, Any] | None = None, caption: Caption | None = None
 ) -> tuple[Path | str, bytes]:
     """Write ``<output>.quicklook.png`` beside the output (atomically); return path and bytes."""
-    png = quicklook_png(output, options)
+    png = quicklook_png(output, options, caption)
     return _write_beside(output, "quicklook", png, options), png
 
 
