@@ -486,7 +486,11 @@ def _primal_spread(L: torch.Tensor, T: torch.Tensor | None, lam: float, full: bo
         # the ridge sandwich M⁻¹XᵀXM⁻¹ = M⁻¹ − λM⁻², M = XᵀX + λI; tr(H) = coef − λ tr(M⁻¹)
         Minv = _gram(Z)
         cov = Minv - lam * _matmul_pixels_last(Minv, Minv)
-        var = torch.diagonal(cov, dim1=0, dim2=1).T.contiguous()
+        # A column the pixel's rows say nothing about has variance ≈ 0, which the
+        # subtraction can round below 0 (a NaN stderr); clamp the diagonal at 0.
+        diag = torch.diagonal(cov, dim1=0, dim2=1)  # a view of cov: (P, coef)
+        diag.clamp_(min=0.0)
+        var = diag.T.contiguous()
         edf = coef - lam * torch.diagonal(Minv, dim1=0, dim2=1).T.sum(0)
         return Spread(var, edf, cov if full else None, _true(p, L.device))
     edf = torch.full((p,), float(coef), dtype=L.dtype, device=L.device)

@@ -808,9 +808,11 @@ def _pattern_operator(blk: _Block, rows: np.ndarray) -> _GroupOperator:
     P = g_op.P * sqrtw[rows][None, :]
     spread: tuple[np.ndarray, float, np.ndarray | None] | None = None
     spans = blk.op.spans_const
-    if blk.mom is not None and g_op.identifiable is not None:
+    if blk.mom is not None:
         Aw = A[rows] * sqrtw[rows, None]
-        spread = linalg.operator_spread(g_op.P, Aw, g_op.identifiable, blk.full)
+        # None: the pattern's Cholesky succeeded, so every coefficient is identifiable
+        ident = g_op.identifiable if g_op.identifiable is not None else np.ones(A.shape[1], bool)
+        spread = linalg.operator_spread(g_op.P, Aw, ident, blk.full)
         spans = spans or linalg.spans_constant(A[rows], blk.pol)
     return _GroupOperator(
         P=P, Q=None, status=g_op.status, cond=g_op.cond, path="pattern", spans=spans, spread=spread

@@ -137,6 +137,42 @@ def test_shared_gap_pattern_path() -> None:
         assert_matches(out, j, wls(POLY, B[:, j]))
 
 
+def test_shared_gap_pattern_under_cholesky_has_its_statistics() -> None:
+    """A pattern whose Cholesky succeeds is full rank: its pixels get every statistic."""
+    from gridsolve.stages.load.patterns import common_patterns, full_hash, pattern_hash
+
+    B = cube(px=60)
+    B[3, :] = np.nan  # one time step missing everywhere
+    gaps = common_patterns(pattern_hash(np.isfinite(B)), full_hash(30))
+    out, paths = solve(POLY, B, gaps=gaps, policy="cholesky")
+    assert paths["pattern"] == 60
+    assert (out["uncertainty_flags"] == 0).all()
+    for j in range(0, 60, 7):
+        assert_matches(out, j, wls(POLY, B[:, j]))
+
+
+def test_ridge_variance_of_a_column_the_rows_do_not_see_is_zero_not_nan() -> None:
+    """M⁻¹ − λM⁻² rounds below 0 for such a column: the stderr is 0, never NaN marked ok."""
+    rng = np.random.default_rng(1)
+    n = 30
+    step = (np.arange(n) < 5).astype(float)  # non-zero only on rows every pixel misses
+    A = np.column_stack([np.ones(n), np.linspace(0, 1, n), step])
+    B = A @ rng.normal(size=(3, 400)) + 0.1 * rng.normal(size=(n, 400))
+    B[:5] = np.nan
+    B[rng.random(B.shape) < 0.2] = np.nan
+    for lam in (0.2, 10.0):
+        out, paths = solve(A, B, policy="ridge", ridge=lam)
+        assert paths["per_pixel"] > 0
+        assert np.isfinite(out["coef_stderr"]).all() and (out["coef_stderr"][2] >= 0).all()
+        assert (out["coef_cov"][2, 2] >= 0).all()
+        np.testing.assert_allclose(out["coef_stderr"][2], 0.0, atol=1e-7)
+        assert (out["uncertainty_flags"] == 0).all()
+        j = 0  # and the rest is still the documented sandwich
+        ok = np.isfinite(B[:, j])
+        cov, _ = ridge_oracle(A[ok], B[ok, j], lam)
+        close(out["coef_cov"][:, :, j], cov, 1e-7)
+
+
 def test_ill_conditioned_design() -> None:
     t = np.linspace(100.0, 140.0, 30)
     A = np.vander(t, 4, increasing=True)  # unscaled: κ ≈ 2e9
