@@ -17,6 +17,8 @@ from typing import Any
 
 #: The tag of deployments whose runs are scheduled (the nightly one): see flows/pipeline.py.
 SCHEDULED_TAG = "scheduled"
+#: The flow's name (``@flow(name=...)`` in flows/pipeline.py).
+FLOW_NAME = "gridsolve"
 RETRY_CRASHED = "gridsolve: retry a crashed nightly run once"
 #: How long a crashed run stays Crashed before the retry (the worker's late reports land).
 SETTLE_SECONDS = 20
@@ -40,10 +42,15 @@ def retry_crashed_spec() -> dict[str, Any]:
             "expect": ["prefect.flow-run.Pending", "prefect.flow-run.Running"],
             "for_each": ["prefect.resource.id"],
             "match": {"prefect.resource.id": "prefect.flow-run.*", "prefect.run-count": "1"},
-            "match_related": {
-                "prefect.resource.role": "tag",
-                "prefect.resource.id": f"prefect.tag.{SCHEDULED_TAG}",
-            },
+            # every entry must match: a run of gridsolve's flow AND tagged scheduled
+            # (another project's crashed 'scheduled' run on a shared server is not ours)
+            "match_related": [
+                {"prefect.resource.role": "flow", "prefect.resource.name": FLOW_NAME},
+                {
+                    "prefect.resource.role": "tag",
+                    "prefect.resource.id": f"prefect.tag.{SCHEDULED_TAG}",
+                },
+            ],
             "threshold": 1,
             "within": SETTLE_SECONDS,
         },
@@ -67,6 +74,8 @@ def install_automations() -> list[str]:
     with get_client(sync_client=True) as client:
         found = client.read_automations_by_name(spec.name)
         if found:
+            # a team that paused it in the UI keeps it paused across deploys
+            spec = spec.model_copy(update={"enabled": found[0].enabled})
             client.update_automation(found[0].id, spec)
             for extra in found[1:]:  # duplicates from older installs
                 client.delete_automation(extra.id)

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from gridsolve.flows.cachecmd import add_parser as add_cache_parser
+from gridsolve.flows.cachecmd import cmd_cache
 from gridsolve.schemas.errors import EXIT_CODE, ConfigError, GridsolveError
 
 
@@ -80,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         help="serve the nightly and on-demand deployments from this process (no pool, no worker)",
     )
+    add_cache_parser(sub)
     return p
 
 
@@ -127,9 +130,13 @@ def _need_api() -> str:
 
 def _check_login(api: str) -> None:
     """A ConfigError when a server with basic auth refuses this client's login (or lack of it)."""
+    from prefect.settings import get_current_settings
+
     from gridsolve.flows.localserver import api_refusal
 
-    refusal = api_refusal(api, os.environ.get("PREFECT_API_AUTH_STRING"))
+    # as Prefect reads it: the environment, else the profile (`prefect config set`)
+    secret = get_current_settings().api.auth_string
+    refusal = api_refusal(api, secret.get_secret_value() if secret is not None else None)
     if refusal is not None:
         raise ConfigError(
             refusal,
@@ -188,7 +195,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return 0
 
 
-_PREFECT_WORKER = re.compile(r"prefect worker start --pool '?([^'\s]+)'?")
+_PREFECT_WORKER = re.compile(r"prefect worker start --pool ('[^']*'|\S+)")
 
 
 def _prefect_said(cmd: list[str], env: Mapping[str, str], cwd: Path | None = None) -> int:
@@ -229,11 +236,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     nightly = pipeline.to_deployment(
         name="nightly",
         cron="0 2 * * *",
-        parameters={"write": {"impl": "netcdf", "path": "outputs/gridsolve-{scheduled_date}.nc"}},
+        parameters={
+            "write": {"impl": "netcdf", "path": "outputs/nightly/gridsolve-{scheduled_date}.nc"}
+        },
     )
     on_demand = pipeline.to_deployment(
         name="on-demand",
-        parameters={"write": {"impl": "netcdf", "path": "outputs/gridsolve-{flow_run_name}.nc"}},
+        parameters={
+            "write": {"impl": "netcdf", "path": "outputs/on-demand/gridsolve-{flow_run_name}.nc"}
+        },
     )
     assert isinstance(nightly, RunnerDeployment) and isinstance(on_demand, RunnerDeployment)
     serve(nightly, on_demand)
@@ -424,6 +435,7 @@ COMMANDS = {
     "deploy": cmd_deploy,
     "worker": cmd_worker,
     "serve": cmd_serve,
+    "cache": cmd_cache,
 }
 
 

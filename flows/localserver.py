@@ -210,5 +210,5 @@ def api_refusal(api: str, auth: str | None, timeout: float = 10.0) -> str | None
         if auth:
             return f"the Prefect server at {api} refused PREFECT_API_AUTH_STRING (401 Unauthorized)"
         return f"the Prefect server at {api} requires a login (401 Unauthorized)"
-    except OSError:
+    except (OSError, ValueError):  # unreachable, or not a URL: Prefect's client says which
         return None

@@ -32,7 +32,7 @@ from prefect.runtime import deployment as rt_deployment
 from prefect.runtime import flow_run as rt_flow_run
 from pydantic import BaseModel, ConfigDict
 
-from gridsolve.flows.automations import SCHEDULED_TAG
+from gridsolve.flows.automations import FLOW_NAME, SCHEDULED_TAG
 from gridsolve.flows.failures import install as install_failure_logging
 from gridsolve.flows.failures import noting_user_errors
 from gridsolve.flows.quicklook import Caption, config_summary, write_loss_curve, write_quicklook
@@ -59,6 +59,7 @@ from gridsolve.schemas.pipeline import (
     WriteField,
     build_config,
 )
+from gridsolve.schemas.reading import deployment_home, resolved_path
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.paths import ensure_input_allowed, ensure_module_allowed
 from gridsolve.stages.engine.plan import (
@@ -70,6 +71,7 @@ from gridsolve.stages.engine.plan import (
     tile_inputs,
     tiled_ref,
 )
+from gridsolve.stages.engine.prune import run_housekeeping
 from gridsolve.stages.engine.registry import decl_for
 from gridsolve.stages.engine.remote import is_url
 from gridsolve.stages.engine.runner import (
@@ -82,6 +84,7 @@ from gridsolve.stages.engine.runner import (
 )
 from gridsolve.stages.engine.store import bucket_mirror, open_store
 from gridsolve.stages.write.netcdf import check_write_target
+from gridsolve.stages.write.retention import apply_keep_last
 
 PREFECT_RECORDS = "prefect"
 
@@ -581,6 +584,34 @@ def _prepare(
 #: demo cube, and are retried once when they crash (flows/automations.py).
 
 
+def in_deployment_home(cfg: PipelineConfig) -> PipelineConfig:
+    """In a deployment's run, ``cfg`` with relative paths made absolute under GRIDSOLVE_HOME.
+
+    A CLI config's paths were resolved against its folder already; a run
+    outside a deployment keeps its working directory.
+    """
+    if rt_deployment.id is None:
+        return cfg
+    home = deployment_home()
+    home.mkdir(parents=True, exist_ok=True)
+
+    def under(v: Any) -> Any:
+        if isinstance(v, str):
+            return resolved_path(v, home)
+        if isinstance(v, list):
+            return [resolved_path(x, home) if isinstance(x, str) else x for x in v]
+        return v
+
+    updates: dict[str, Any] = {}
+    for kind, conf in cfg.stage_configs().items():
+        fields = {f: under(getattr(conf, f)) for f in type(conf).path_fields()}
+        if any(fields[f] != getattr(conf, f) for f in fields):
+            updates[kind] = conf.model_copy(update=fields)
+    if under(cfg.cache.root) != cfg.cache.root:
+        updates["cache"] = cfg.cache.model_copy(update={"root": under(cfg.cache.root)})
+    return cfg.model_copy(update=updates) if updates else cfg
+
+
 def refuse_demo_on_schedule(cfg: PipelineConfig) -> None:
     """ConfigError when a run of a deployment tagged ``scheduled`` would load the demo cube.
 
@@ -728,7 +759,7 @@ def _publish(
         logger.warning("quick-look picture not made: %s", exc)
 
 
-@flow(name="gridsolve", persist_result=False, validate_parameters=True, log_prints=True)
+@flow(name=FLOW_NAME, persist_result=False, validate_parameters=True, log_prints=True)
 def pipeline(
     load: LoadField = DEMO.load,
     design: DesignField = DEMO.design,
@@ -756,7 +787,14 @@ def pipeline(
     """
     sections = dict(locals())  # the parameters, one per PipelineConfig field
     install_failure_logging()  # again: Prefect may have replaced its handlers since import
-    return run_pipeline(build_config(sections))
+    started_ns = time.time_ns()
+    cfg = in_deployment_home(build_config(sections))
+    logger = get_run_logger()
+    # A lease on the cache for the whole run (its artifacts are in use), then the size cap.
+    with run_housekeeping(cfg.cache.root, cfg.cache.max_size_bytes, logger):
+        summary = run_pipeline(cfg)
+    apply_keep_last(cfg.write, summary.output, started_ns, logger)
+    return summary
 
 
 def run_config(cfg: PipelineConfig) -> RunSummary:

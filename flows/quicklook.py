@@ -35,6 +35,7 @@ from pydantic import BaseModel
 
 from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.paths import atomic_file
+from gridsolve.stages.write.netcdf import DESIGN_VARIABLE
 
 MAX_SIDE = 300
 #: The percentiles of the finite values that a map's colour scale spans.
@@ -289,16 +290,21 @@ def _fitted_rms(ds: xr.Dataset, coef: xr.DataArray) -> xr.DataArray | None:
     Needs the shared design ``(obs, coef)`` in the output; ``coef`` is the
     (thinned) coefficients ``(coef, y, x)``. Every observation counts, valid or not.
     """
-    if "design" not in ds or ds["design"].ndim != 2 or ds["design"].dims[1] != coef.dims[0]:
+    design = ds.get(DESIGN_VARIABLE)
+    if design is None or design.ndim != 2 or design.dims[1] != coef.dims[0]:
         return None
-    a = np.asarray(ds["design"].values, dtype=np.float64)
-    fitted = np.tensordot(a, np.asarray(coef.values, dtype=np.float64), axes=(1, 0))
-    obs = ds["design"].dims[0]
+    a = np.asarray(design.values, dtype=np.float64)
+    c = np.asarray(coef.values, dtype=np.float64).reshape(coef.shape[0], -1)
+    # mean over t of (Σ_k a_tk c_k)² = cᵀ(AᵀA/n)c per pixel: coef² work, not obs × pixels
+    gram = a.T @ a / len(a)
+    with np.errstate(invalid="ignore"):
+        ms = np.einsum("kp,kp->p", gram @ c, c)
+    rms = np.sqrt(np.clip(ms, 0.0, None)).reshape(coef.shape[1:])
+    obs = design.dims[0]
     attrs = {"long_name": f"RMS over the {len(a)} observations ({obs}) of design × coefficients"}
     units = ds["residual_rms"].attrs.get("units")
     if units not in (None, ""):
         attrs["units"] = str(units)
-    rms = np.sqrt(np.mean(fitted**2, axis=0))
     return xr.DataArray(rms, dims=coef.dims[1:], name="fitted-value RMS", attrs=attrs)
 
 
@@ -364,8 +370,8 @@ def _residual_panel(
         if "n_valid" in plane:
             valid = np.asarray(plane["n_valid"].values, dtype=np.float64)
             n_obs = int(np.nanmax(valid)) if np.isfinite(valid).any() else None
-        elif "design" in plane and plane["design"].ndim == 2:
-            n_obs = int(plane["design"].shape[0])
+        elif DESIGN_VARIABLE in plane and plane[DESIGN_VARIABLE].ndim == 2:
+            n_obs = int(plane[DESIGN_VARIABLE].shape[0])
         exact = n_obs is not None and n_coef >= n_obs
         reason += f" (exact fit: {n_coef} coef ≥ {n_obs} obs)" if exact else " (an exact fit)"
     candidates = [

@@ -31,6 +31,16 @@ def speed_field(default: Any, description: str, **kwargs: Any) -> Any:
     )
 
 
+def housekeeping_field(default: Any, description: str, **kwargs: Any) -> Any:
+    """A field about tidying up (how many old outputs to keep): never in cache keys."""
+    return Field(
+        default,
+        description=f"{description} Housekeeping only: not part of the cache key.",
+        json_schema_extra={_SPEED: True},
+        **kwargs,
+    )
+
+
 def path_field(default: Any, description: str, **kwargs: Any) -> Any:
     """A file path, resolved against the config file's folder when relative."""
     return Field(default, description=description, json_schema_extra={_PATH: True}, **kwargs)

@@ -23,11 +23,33 @@ class CacheConfig(BaseModel):
     )
     enabled: bool = Field(True, description="Reuse stored stage outputs; false recomputes all.")
     storage_options: StorageOptions = storage_options_field()
+    max_size: str | None = Field(
+        None,
+        description="Cap on the local cache's size (e.g. 20GiB, 500MB): at the end of each run "
+        "the least recently used artifacts that no running flow is using are removed until the "
+        "cache is under it. Omitted: unbounded. Not applied to s3:// caches. Housekeeping "
+        "only: not part of any cache key.",
+        examples=["20GiB"],
+    )
 
     @field_validator("root")
     @classmethod
     def _supported_url(cls, v: str) -> str:
         return check_url(v)
+
+    @field_validator("max_size", mode="before")
+    @classmethod
+    def _a_size(cls, v: object) -> object:
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return str(v)
+        if isinstance(v, str):
+            parse_size(v)  # ValueError names the examples
+        return v
+
+    @property
+    def max_size_bytes(self) -> int | None:
+        """The size cap in bytes (None: unbounded)."""
+        return None if self.max_size is None else parse_size(self.max_size)
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)

@@ -68,7 +68,22 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
     return out
 
 
-def _resolved(v: str, base: Path) -> str:
+#: Where a deployment run's relative paths point (outputs, cache, inputs).
+HOME_ENV = "GRIDSOLVE_HOME"
+
+
+def deployment_home() -> Path:
+    """The folder of a deployment run's relative paths: ``$GRIDSOLVE_HOME``.
+
+    Default ``~/gridsolve``. Not the worker's working directory: that is the
+    code checkout `prefect deploy` recorded, and outputs and caches do not
+    belong in it.
+    """
+    return Path(os.environ.get(HOME_ENV) or Path.home() / "gridsolve").expanduser()
+
+
+def resolved_path(v: str, base: Path) -> str:
+    """``v`` made absolute against ``base`` unless it is absolute or a URL."""
     if v and "://" not in v and not Path(v).expanduser().is_absolute():
         # Not .resolve(): a glob's pattern characters must reach the glob intact.
         return os.path.normpath(base / v)
@@ -93,9 +108,9 @@ def resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
         for f in fields:
             v = section.get(f)
             if isinstance(v, str):
-                section[f] = _resolved(v, base)
+                section[f] = resolved_path(v, base)
             elif isinstance(v, list):
-                section[f] = [_resolved(x, base) if isinstance(x, str) else x for x in v]
+                section[f] = [resolved_path(x, base) if isinstance(x, str) else x for x in v]
     return out
 
 

@@ -170,12 +170,14 @@ GRIDSOLVE = str(Path(sys.executable).parent / "gridsolve")
 
 
 class Worker:
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, home: Path) -> None:
         self.log = log
+        self.home = home  # GRIDSOLVE_HOME: where deployment runs' relative paths point
         env = {
             **os.environ,
             "PREFECT_WORKER_QUERY_SECONDS": "1",
             "PREFECT_WORKER_PREFETCH_SECONDS": "5",
+            "GRIDSOLVE_HOME": str(home),
         }
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
@@ -199,6 +201,8 @@ def deployments(prefect_server: LocalServer) -> dict[str, str]:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     # Prefect's hint names its own worker; gridsolve's output names the README's
     assert "prefect worker start" not in res.stdout + res.stderr
+    assert "gridsolve worker --pool gridsolve-process" in res.stdout  # the pool was created
+    assert "automation: gridsolve: retry a crashed nightly run once" in res.stdout
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
@@ -211,7 +215,8 @@ def deployments(prefect_server: LocalServer) -> dict[str, str]:
 def worker(
     deployments: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Worker]:
-    w = Worker(tmp_path_factory.mktemp("worker") / "worker.log")
+    folder = tmp_path_factory.mktemp("worker")
+    w = Worker(folder / "worker.log", folder / "home")
     try:
         yield w
     finally:

@@ -11,6 +11,7 @@ from gridsolve.schemas.base import (
     StageConfig,
     StorageOptions,
     check_url,
+    housekeeping_field,
     path_field,
     storage_options_field,
 )
@@ -39,6 +40,13 @@ class GridWrite(WriteConfig):
         description="nested: every parameter dim of a gradient or Jacobian is its own dim. "
         "flat: a variable's dims before (y, x) become one labelled dim <name>_index, "
         "so tools that read at most one extra dim (CDO, Panoply) read every variable.",
+    )
+    keep_last: int | None = housekeeping_field(
+        None,
+        "When write.path has placeholders ({flow_run_name}, {scheduled_date}, …): after a "
+        "successful run keep only the newest N outputs matching it (with their pictures and "
+        "weights) and delete older ones; local paths only. Omitted: keep every output.",
+        ge=1,
     )
 
     @field_validator("path", check_fields=False)

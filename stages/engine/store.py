@@ -6,7 +6,9 @@ small metadata. It is written in a private temporary folder and renamed into
 place, so a reader sees a whole artifact or none, and two processes writing
 the same key at once are safe (the second rename loses and is discarded).
 An artifact whose files are missing or fail their checksum is moved aside to
-``corrupt/`` and reported as absent, so the stage is recomputed.
+``corrupt/`` and reported as absent, so the stage is recomputed. Every hit
+stamps the manifest's mtime: the artifact's last use, which the size cap
+(:mod:`~gridsolve.stages.engine.prune`) evicts by.
 
 The store is a POSIX folder: local, or a shared mount (NFS, Lustre) that every
 Dask worker sees at the same path; or a bucket (:class:`BucketStore`), for
@@ -220,14 +222,30 @@ class Store:
             stamps.append((info["file"], st.st_size, st.st_mtime_ns))
         stamp = tuple(stamps)
         with self._lock:
-            if self._verified.get(str(folder)) == stamp:
-                return "hit", ""
-        for name, info in manifest["files"].items():
-            if hash_file(folder / info["file"]) != info["xxh3"]:
-                return "corrupt", f"array {name!r} fails its checksum"
-        with self._lock:
-            self._verified[str(folder)] = stamp
+            known = self._verified.get(str(folder)) == stamp
+        if not known:
+            for name, info in manifest["files"].items():
+                if hash_file(folder / info["file"]) != info["xxh3"]:
+                    return "corrupt", f"array {name!r} fails its checksum"
+            with self._lock:
+                self._verified[str(folder)] = stamp
+        if not self._mark_used(folder):
+            return "miss", ""  # evicted while we looked: computed again
         return "hit", ""
+
+    def _mark_used(self, folder: Path) -> bool:
+        """Stamp the artifact's last use (its manifest's mtime); False if it has vanished.
+
+        Pruning (:mod:`~gridsolve.stages.engine.prune`) evicts least recently used
+        artifacts first and never one used since the oldest live lease began.
+        """
+        try:
+            os.utime(folder / MANIFEST)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            pass  # a read-only cache: still readable, just not pruned by use
+        return True
 
     def lookup(self, key: str) -> tuple[Status, str]:
         """Like :meth:`check`, but a corrupt artifact is moved aside (and reported)."""
@@ -256,7 +274,12 @@ class Store:
                 fix="rerun: the stage that produces it is recomputed",
             )
         manifest = self._manifest(key)
-        assert manifest is not None
+        if manifest is None:  # evicted (size cap) just after it was checked
+            raise StoreError(
+                f"artifact {key} left the cache while it was being read",
+                fix="rerun: the stage that produces it is recomputed",
+                transient=True,
+            )
         return Artifact(self.path(key), manifest)
 
     # ------------------------------------------------------------------ writing

@@ -43,9 +43,11 @@ ZARR_MARKERS = (".zgroup", ".zarray", ".zmetadata", "zarr.json")
 
 def relative_paths() -> str:
     """Where relative paths were resolved, for messages (CLI configs and deployments differ)."""
+    from gridsolve.schemas.reading import HOME_ENV, deployment_home
+
     return (
         "relative paths in a config file are resolved against its folder; in a deployment's "
-        f"parameters against the worker's working directory, here {os.getcwd()}"
+        f"parameters against {HOME_ENV}, here {deployment_home()}"
     )
 
 

@@ -58,6 +58,10 @@ DIMENSIONLESS = ("n_valid", "dof", "r2", "t_value", "p_value")
 COEF_LIKE = ("coefficients", "coef_stderr")
 
 
+#: The output variable holding the design matrix (obs, coef) of the fit.
+DESIGN_VARIABLE = "design"
+
+
 def _free_bytes(folder: Path) -> int:
     try:
         st = os.statvfs(folder)
@@ -629,7 +633,7 @@ def skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.D
     design_attrs = _design_attrs(design)
     ds = xr.Dataset(
         {
-            "design": ((obs_dim, "coef"), np.asarray(design.array("A")), design_attrs),
+            DESIGN_VARIABLE: ((obs_dim, "coef"), np.asarray(design.array("A")), design_attrs),
             **{name: (dims, values, {}) for name, (dims, values) in bounds.items()},
         },
         coords=coords,

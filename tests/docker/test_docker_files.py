@@ -63,6 +63,7 @@ def test_compose_worker_shares_data_and_talks_to_the_server() -> None:
     for name in ("deploy", "worker"):
         assert s[name]["environment"]["PREFECT_API_URL"] == "http://server:4200/api"
     assert "data:/data" in s["worker"]["volumes"]
+    assert s["worker"]["environment"]["GRIDSOLVE_HOME"] == "/data"  # outputs on the volume
     assert s["worker"]["depends_on"]["deploy"]["condition"] == "service_completed_successfully"
     assert s["deploy"]["build"]["dockerfile"] == "docker/Dockerfile"
     assert (DOCKER.parent / s["deploy"]["build"]["context"].replace("..", ".")).exists()

@@ -105,7 +105,7 @@ def test_basic_auth_refuses_strangers_and_runs_the_team_deployment(tmp_path: Pat
             timeout=300,
         )
         assert res.returncode == 2 and "refused PREFECT_API_AUTH_STRING" in res.stderr
-        assert LOGIN.split(":")[1] not in res.stdout + res.stderr
+        assert "alice:wrong" not in res.stdout + res.stderr and "wrong" not in res.stderr
 
         cfg = tmp_path / "cfg.yaml"
         cfg.write_text(json.dumps(params))
@@ -125,6 +125,7 @@ def test_basic_auth_refuses_strangers_and_runs_the_team_deployment(tmp_path: Pat
             timeout=300,
         )
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        assert LOGIN.split(":")[1] not in res.stdout + res.stderr  # the password is never shown
         log = tmp_path / "worker.log"
         with open(log, "wb") as f:
             worker = subprocess.Popen(
@@ -161,6 +162,7 @@ def test_basic_auth_refuses_strangers_and_runs_the_team_deployment(tmp_path: Pat
         )
         assert "Completed" in res.stdout, res.stdout[-2000:]
         assert seconds < 400
+        assert LOGIN.split(":")[1] not in log.read_text(errors="replace")
     finally:
         if worker is not None:
             stop_group(worker)

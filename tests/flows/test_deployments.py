@@ -22,6 +22,8 @@ from prefect.exceptions import PrefectHTTPStatusError
 
 from testkit import make_ds
 
+REPO = Path(__file__).resolve().parents[2]
+
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("worker")]
 
 
@@ -148,17 +150,22 @@ def write_cube_for(tmp_path: Path) -> Path:
     return path
 
 
-def test_the_nightly_deployment_refuses_the_demo_and_on_demand_runs_it(tmp_path: Path) -> None:
+def test_the_nightly_deployment_refuses_the_demo_and_on_demand_runs_it(
+    tmp_path: Path, worker: Any
+) -> None:
     cache = {"root": str(tmp_path / "cache")}
     nightly = run_deployment("gridsolve/nightly", parameters={"cache": cache}, timeout=600)
     assert nightly.state is not None and nightly.state.is_failed(), nightly.state
     message = nightly.state.message or ""
     assert "load.path is not set" in message and "nightly" in message, message
     assert not list(tmp_path.glob("cache/objects/*")), "nothing computed"
-    demo = run_deployment(
-        "gridsolve/on-demand",
-        parameters={"cache": cache, "write": {"impl": "netcdf", "path": str(tmp_path / "demo.nc")}},
-        timeout=600,
-    )
+    checkout = sorted(p.name for p in REPO.iterdir())
+    demo = run_deployment("gridsolve/on-demand", timeout=600)  # every default
     assert demo.state is not None and demo.state.is_completed(), demo.state
-    assert (tmp_path / "demo.nc").is_file()
+    # the defaults' relative paths land under GRIDSOLVE_HOME, not in the code checkout
+    out = worker.home / "outputs" / "on-demand" / f"gridsolve-{demo.name}.nc"
+    assert out.is_file() and Path(f"{out}.quicklook.png").is_file()
+    assert list((worker.home / ".gridsolve-cache").iterdir())
+    assert sorted(p.name for p in REPO.iterdir()) == checkout
+    with xr.open_dataset(out) as ds:
+        assert ds.attrs["gridsolve_input_hash"]

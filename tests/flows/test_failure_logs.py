@@ -146,11 +146,14 @@ def test_a_bug_keeps_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("worker")
-def test_deployment_run_by_a_worker_logs_a_user_error_once(tmp_path: Path) -> None:
+def test_deployment_run_by_a_worker_logs_a_user_error_once(tmp_path: Path, worker: Any) -> None:
     """In the worker's engine subprocess Prefect logs a failure once more, with a traceback."""
-    raw = config(tmp_path, load={"impl": "netcdf", "path": str(tmp_path / "nowhere.nc")})
+    # a relative path in a deployment's parameters: under the worker's GRIDSOLVE_HOME
+    raw = config(tmp_path, load={"impl": "netcdf", "path": "nowhere-relative.nc"})
     run = run_deployment("gridsolve/on-demand", parameters=raw, timeout=600)
     assert run.state is not None and run.state.is_failed(), run.state
-    assert "input file not found" in (run.state.message or "")
+    message = run.state.message or ""
+    assert "input file not found" in message
+    assert str(worker.home / "nowhere-relative.nc") in message, message
+    assert f"GRIDSOLVE_HOME, here {worker.home}" in message, message
     assert_reported_once(run_logs(run.id, "input file not found"), "input file not found")

@@ -1,0 +1,167 @@
+"""``write.keep_last``: keep the newest N outputs of a templated ``write.path``.
+
+A templated path (``outputs/gridsolve-{flow_run_name}.nc``) gives every run a
+new file; after a successful run, :func:`keep_last` deletes the oldest files
+matching the template so that at most N remain, newest by mtime. With them go
+the files written beside each: ``<output>.quicklook.png``, ``<output>.loss.png``
+and ``<output>.weights.safetensors``.
+
+What is never deleted: the output this run just wrote; an output modified
+after this run started (a concurrent run's, counted by the next run); anything
+that is not a gridsolve output (a NetCDF file or Zarr store without the
+global attribute ``gridsolve_config`` or ``source: gridsolve``); anything
+outside ``GRIDSOLVE_ALLOWED_ROOTS``. Each
+placeholder matches only what it renders to (``{scheduled_date}`` a date,
+``{flow_run_id}`` a UUID, names: letters, digits, ``_``, ``-``, ``.``).
+Local paths only: a URL's outputs are left alone.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from gridsolve.schemas.base import is_url
+from gridsolve.schemas.errors import GridsolveError
+from gridsolve.stages.engine.paths import ensure_allowed
+
+#: What the writer and the flow put beside an output ``<output><suffix>``.
+SIBLINGS = (".quicklook.png", ".loss.png", ".weights.safetensors")
+
+_PLACEHOLDER = re.compile(r"{(\w+)}")
+#: What each placeholder renders to (schemas.templating.render_template).
+_RENDERS = {
+    "date": r"\d{4}-\d{2}-\d{2}",
+    "scheduled_date": r"\d{4}-\d{2}-\d{2}",
+    "scheduled_time": r"\d{8}T\d{6}Z",
+    "flow_run_id": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|local",
+}
+_NAME = r"[\w.-]+"
+
+
+def is_template(path: str) -> bool:
+    """Whether ``path`` has ``{placeholders}``."""
+    return bool(_PLACEHOLDER.search(path))
+
+
+def _glob(template: str) -> str:
+    parts = _PLACEHOLDER.split(template)  # literal, name, literal, name, …
+    return "".join(glob.escape(p) if i % 2 == 0 else "*" for i, p in enumerate(parts))
+
+
+def _regex(template: str) -> re.Pattern[str]:
+    parts = _PLACEHOLDER.split(template)
+    return re.compile(
+        "".join(
+            re.escape(p) if i % 2 == 0 else f"(?:{_RENDERS.get(p, _NAME)})"
+            for i, p in enumerate(parts)
+        )
+    )
+
+
+def matching_outputs(template: str) -> list[Path]:
+    """Existing paths ``template`` could have rendered to (not siblings, not temporaries)."""
+    rx = _regex(str(Path(template).expanduser().absolute()))
+    out = []
+    for found in glob.glob(_glob(str(Path(template).expanduser().absolute()))):
+        if found.endswith(SIBLINGS) or ".gridsolve~" in found or not rx.fullmatch(found):
+            continue
+        out.append(Path(found))
+    return out
+
+
+def is_gridsolve_output(path: Path) -> bool:
+    """Whether ``path`` is an output gridsolve wrote (never delete anyone else's file)."""
+    if path.is_dir():
+        try:
+            meta: dict[str, Any] = json.loads((path / ".zmetadata").read_text())
+        except (OSError, ValueError):
+            return False
+        attrs = meta.get("metadata", {}).get(".zattrs", {})
+        return bool(attrs.get("source") == "gridsolve" or "gridsolve_config" in attrs)
+    if not path.is_file():
+        return False
+    try:
+        import netCDF4
+
+        with netCDF4.Dataset(path) as nc:
+            attrs = nc.ncattrs()
+            return "gridsolve_config" in attrs or (
+                "source" in attrs and nc.getncattr("source") == "gridsolve"
+            )
+    except Exception:  # not a NetCDF file, or unreadable: not ours to delete
+        return False
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def keep_last(template: str, written: str, n: int, started_ns: int) -> list[Path]:
+    """Delete the oldest outputs matching ``template`` so at most ``n`` remain; what was deleted.
+
+    ``written``: this run's output (always kept); ``started_ns``: when this run
+    started (outputs modified since then belong to concurrent runs: kept).
+    Deletes the outputs' siblings too. Nothing happens for a URL or a path
+    without placeholders.
+    """
+    if is_url(template) or is_url(written) or not is_template(template):
+        return []
+    mine = Path(written).expanduser().resolve()
+    others: list[tuple[int, Path]] = []
+    for path in matching_outputs(template):
+        try:
+            if path.resolve() == mine:
+                continue
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            continue
+        others.append((mtime, path))
+    others.sort(reverse=True)  # newest first
+    removed: list[Path] = []
+    for mtime, path in others[max(0, n - 1) :]:
+        if mtime >= started_ns or not is_gridsolve_output(path):
+            continue
+        try:
+            ensure_allowed(path, "output file")
+        except GridsolveError:
+            continue
+        for sibling in SIBLINGS:
+            Path(f"{path}{sibling}").unlink(missing_ok=True)
+        _remove(path)
+        removed.append(path)
+    return removed
+
+
+def apply_keep_last(
+    config: Any,
+    written: str,
+    started_ns: int,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> list[Path]:
+    """:func:`keep_last` for a write config with ``keep_last`` set; never raises (housekeeping)."""
+    n = getattr(config, "keep_last", None)
+    template = getattr(config, "path", None)
+    if n is None or not isinstance(template, str) or not written:
+        return []
+    if is_url(template):
+        logger.info("write.keep_last is not applied to %s: local paths only", template)
+        return []
+    if not is_template(template):
+        return []
+    try:
+        removed = keep_last(template, written, int(n), started_ns)
+    except OSError as exc:
+        logger.warning("write.keep_last: old outputs not removed: %s", exc)
+        return []
+    for path in removed:
+        logger.info("write.keep_last %d: removed the old output %s (and its pictures)", n, path)
+    return removed
