@@ -667,7 +667,8 @@ def _solve_block(
         gap_patterns = np.zeros(0, dtype=np.uint64)
     blk = _Block.start(B, op, config)
     finite = np.isfinite(B)
-    if own_weights is None and (op.sqrtw > 0).all() and finite.all():
+    enough = B.shape[0] >= op.min_valid  # else every pixel is too_few, gaps or not
+    if own_weights is None and (op.sqrtw > 0).all() and finite.all() and enough:
         # No gaps: every pixel uses the shared operator; no grouping, no copies.
         return _solve_gapless(blk)
     g = _start_gappy(blk, finite, own_weights)

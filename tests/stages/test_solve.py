@@ -511,3 +511,30 @@ def test_solve_block_without_the_cube_maximum_scans_each_block() -> None:
     with pytest.raises(NumericalError, match="first at pixel 0 of the block"):
         tiny = make_operator(A * 1e-20, np.ones(12), config)
         solve_block((B / np.float32(1e18)).astype(np.float32), tiny, config)
+
+
+@pytest.mark.parametrize("policy", ["minnorm", "cholesky"])
+def test_min_valid_above_the_observations_gives_the_same_status_in_every_tile(
+    policy: str,
+) -> None:
+    """A pixel's status never depends on its neighbours: gaps elsewhere in the tile or not."""
+    from gridsolve.stages.solve.lstsq import make_operator, solve_block
+
+    rng = np.random.default_rng(3)
+    n = 12
+    A = np.vander(np.linspace(-1, 1, n), 3, increasing=True)
+    B = A @ rng.normal(size=(3, 8)) + 0.1 * rng.normal(size=(n, 8))
+    config = LstsqSolve(policy=policy, dtype="float64", min_valid=n + 1)
+    op = make_operator(A, np.ones(n), config)
+    gap_free = solve_block(B, op, config).arrays["status"]
+    with_gap = B.copy()
+    with_gap[0, -1] = np.nan  # one gap in the last pixel only
+    one_gap = solve_block(with_gap, op, config).arrays["status"]
+    too_few = STATUS_CODES["too_few_observations"]
+    assert (gap_free == too_few).all() and (one_gap == too_few).all()
+    # and with min_valid reachable, the gap-free pixels are solved in both tiles
+    ok_config = LstsqSolve(policy=policy, dtype="float64", min_valid=n)
+    ok_op = make_operator(A, np.ones(n), ok_config)
+    assert (solve_block(B, ok_op, ok_config).arrays["status"] == STATUS_CODES["ok"]).all()
+    mixed = solve_block(with_gap, ok_op, ok_config).arrays["status"]
+    assert (mixed[:-1] == STATUS_CODES["ok"]).all() and mixed[-1] == too_few
