@@ -6,12 +6,14 @@ prune --max-size 5GiB [--root R | config.yaml] [--dry-run]`` removes least
 recently used artifacts that no running flow is using until the cache is under
 the cap, and prints what it removed and freed (see
 :mod:`gridsolve.stages.engine.prune`). Without ``--root`` or a config, the
-cache is the default ``cache.root`` (``.gridsolve-cache``) of this folder.
+cache is the default ``cache.root`` (``.gridsolve-cache``) under ``$GRIDSOLVE_HOME``
+when that is set (where deployment runs keep it), else in this folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from gridsolve.schemas.errors import ConfigError, StoreError
@@ -51,7 +53,10 @@ def _where(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.root is not None:
         return args.root, None
     from gridsolve.schemas.execution import CacheConfig
+    from gridsolve.schemas.reading import HOME_ENV, deployment_home
 
+    if os.environ.get(HOME_ENV):  # a worker's machine: the deployments' default cache
+        return str(deployment_home() / CacheConfig().root), None
     return CacheConfig().root, None
 
 

@@ -130,13 +130,18 @@ def _need_api() -> str:
 
 def _check_login(api: str) -> None:
     """A ConfigError when a server with basic auth refuses this client's login (or lack of it)."""
-    from prefect.settings import get_current_settings
-
     from gridsolve.flows.localserver import api_refusal
 
+    if api_refusal(api, None) is None:
+        return  # no login asked for: the wrappers stay small (no prefect import here)
     # as Prefect reads it: the environment, else the profile (`prefect config set`)
-    secret = get_current_settings().api.auth_string
-    refusal = api_refusal(api, secret.get_secret_value() if secret is not None else None)
+    auth = os.environ.get("PREFECT_API_AUTH_STRING")
+    if auth is None:
+        from prefect.settings import get_current_settings
+
+        secret = get_current_settings().api.auth_string
+        auth = secret.get_secret_value() if secret is not None else None
+    refusal = api_refusal(api, auth)
     if refusal is not None:
         raise ConfigError(
             refusal,

@@ -369,3 +369,20 @@ def test_cache_command_messages_and_exit_codes(tmp_path: Path) -> None:
     assert "size: 0 B (0 bytes)" in res.stdout and "cap (cache.max_size): 2GiB" in res.stdout
     res = gridsolve("cache", "prune", str(cfg))
     assert res.returncode == 0 and "freed 0 B (0 folder(s))" in res.stdout, res.stdout
+
+
+def test_default_root_is_the_deployments_cache_under_gridsolve_home(tmp_path: Path) -> None:
+    """On a worker's machine (GRIDSOLVE_HOME set) the default is where deployment runs cache."""
+    home = tmp_path / "home"
+    env = {**os.environ, "GRIDSOLVE_HOME": str(home)}
+    res = subprocess.run(
+        [GRIDSOLVE, "cache", "size"], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert res.returncode == 2
+    assert f"no cache folder at {home / '.gridsolve-cache'}" in res.stderr, res.stderr
+    (home / ".gridsolve-cache" / "objects").mkdir(parents=True)
+    res = subprocess.run(
+        [GRIDSOLVE, "cache", "size"], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    assert f"cache: {home / '.gridsolve-cache'}" in res.stdout and "artifacts: 0" in res.stdout

@@ -102,7 +102,7 @@ def test_server_stops_with_its_wrapper(tmp_path: Path, signum: int) -> None:
     )
     try:
         wait_for(lambda: listening(port), 120, "the server listens")
-        assert rss_mb(proc.pid) <= 100, f"wrapper holds {rss_mb(proc.pid):.0f} MB"
+        assert rss_mb(proc.pid) <= 50, f"wrapper holds {rss_mb(proc.pid):.0f} MB"
         took = stop_and_check(proc, signum, port)
         assert proc.returncode == 128 + signum
     finally:
@@ -146,7 +146,7 @@ def test_worker_stops_with_its_wrapper(tmp_path: Path) -> None:
             120,
             "the worker starts",
         )
-        assert rss_mb(proc.pid) <= 100, f"wrapper holds {rss_mb(proc.pid):.0f} MB"
+        assert rss_mb(proc.pid) <= 50, f"wrapper holds {rss_mb(proc.pid):.0f} MB"
         stop_and_check(proc, signal.SIGTERM, None)
     finally:
         if proc.poll() is None:
