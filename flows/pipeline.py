@@ -271,12 +271,12 @@ class RunSummary(BaseModel):
 
     def table(self) -> str:
         """The summary as a text table."""
-        head = f"{'stage':<17}{'impl':<16}{'key':<14}{'cache':<14}{'seconds':>9}{'pixels/s':>14}"
+        head = f"{'stage':<17}{'impl':<16}{'key':<14}{'cache':<20}{'seconds':>9}{'pixels/s':>14}"
         lines = [head, "-" * len(head)]
         for s in self.stages:
             pps = f"{s.pixels_per_second:,.0f}" if s.pixels_per_second is not None else ""
             lines.append(
-                f"{s.stage:<17}{s.impl:<16}{s.key[:12]:<14}{s.cache:<14}{s.seconds:>9.2f}{pps:>14}"
+                f"{s.stage:<17}{s.impl:<16}{s.key[:12]:<14}{s.cache:<20}{s.seconds:>9.2f}{pps:>14}"
             )
         return "\n".join(lines)
 
@@ -285,17 +285,39 @@ def _hit(state: State[Any], run: StageRun) -> bool:
     return state.name == "Cached" or run.hit
 
 
+def cache_label(hits: Sequence[bool], tiled: bool = False) -> str:
+    """'hit', 'miss', or which part hit ('12/38 tiles hit').
+
+    A tiled stage's ``hits`` are its prepare step's, then each tile's; a
+    partial hit is counted in tiles.
+    """
+    if all(hits):
+        return "hit"
+    if not any(hits):
+        return "miss"
+    if not tiled:
+        return f"{sum(hits)}/{len(hits)} hit"
+    tiles = hits[1:]
+    label = f"{sum(tiles)}/{len(tiles)} tiles hit"
+    return label if hits[0] else f"{label}, prepare missed"
+
+
 def _row(
-    kind: str, impl: str, key: str, hits: Sequence[bool], seconds: float, pixels: int
+    kind: str,
+    impl: str,
+    key: str,
+    hits: Sequence[bool],
+    seconds: float,
+    pixels: int,
+    tiled: bool = False,
 ) -> StageSummary:
-    n, h = len(hits), sum(hits)
-    label = "hit" if h == n else "miss" if h == 0 else f"{h}/{n} hit"
+    label = cache_label(hits, tiled)
     return StageSummary(
         stage=kind,
         impl=impl,
         key=key,
         cache=label,
-        hit=h == n,
+        hit=all(hits),
         seconds=round(seconds, 4),
         pixels=pixels,
         pixels_per_second=round(pixels / seconds, 1) if seconds > 0 and pixels else None,
@@ -471,8 +493,9 @@ def run_tiles(
             counts[step.kind] = stage_counts
         pixels = sum(t.pixels for t in tiles)
         seconds = prep.seconds + time.perf_counter() - t0
-        rows.append(_row(step.kind, step.decl.impl, refs[step.kind].key, hits, seconds, pixels))
-        logger.info("%s %s over %d tile(s)", step.name, rows[-1].cache, len(tiles))
+        key = refs[step.kind].key
+        rows.append(_row(step.kind, step.decl.impl, key, hits, seconds, pixels, tiled=True))
+        logger.info("%s: cache %s (%d tile(s))", step.name, rows[-1].cache, len(tiles))
     return TilePhase(refs=out_refs, rows=rows, counts=counts)
 
 

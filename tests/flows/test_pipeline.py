@@ -11,7 +11,7 @@ import xarray as xr
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-from gridsolve.flows.pipeline import RunSummary, run_config
+from gridsolve.flows.pipeline import RunSummary, cache_label, run_config
 from gridsolve.schemas.pipeline import build_config
 
 from testkit import CONTRACT, make_ds
@@ -189,3 +189,11 @@ def test_training_through_the_flow_reports_progress_and_the_loss_curve(
     assert "gridsolve-loss-curve" in {a.key for a in artifacts}
     again = run_config(cfg)
     assert cache_states(again)["train"] == "hit"
+
+
+def test_cache_labels_count_tiles_not_the_prepare_step() -> None:
+    assert cache_label([True, True, True], tiled=True) == "hit"
+    assert cache_label([False, False], tiled=True) == "miss"
+    assert cache_label([True, True, False, False], tiled=True) == "1/3 tiles hit"
+    assert cache_label([False, True, True], tiled=True) == "2/2 tiles hit, prepare missed"
+    assert cache_label([True, False]) == "1/2 hit"  # a whole stage's parts
