@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -108,3 +110,15 @@ def run_plan(configs: dict[str, Any], ctx: Any, **kwargs: Any) -> dict[str, Any]
     from gridsolve.stages.engine.plan import build_plan, run_locally
 
     return run_locally(build_plan(configs), ctx, **kwargs)
+
+
+def tiles_stored(cache: Path, kind: str) -> int:
+    """How many tiles of stage ``kind`` the cache folder holds (read while runs write it)."""
+    n = 0
+    for manifest in (cache / "objects").glob("*/*/manifest.json"):
+        try:
+            info = json.loads(manifest.read_text())
+        except (OSError, ValueError):  # removed or replaced while we looked
+            continue
+        n += info.get("kind") == kind and info.get("part") == "tile"
+    return n

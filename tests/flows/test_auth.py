@@ -45,6 +45,17 @@ def status_of(url: str, auth: str | None, data: bytes | None = None) -> int:
         return int(err.code)
 
 
+def deploy(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`gridsolve deploy` of the checkout as a client with ``env``."""
+    return subprocess.run(
+        [GRIDSOLVE, "deploy", "--project", str(REPO)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def client_env(api: str, auth: str | None, home: Path) -> dict[str, str]:
     """The environment of a client process of the server at ``api``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
@@ -86,24 +97,12 @@ def test_basic_auth_refuses_strangers_and_runs_the_team_deployment(tmp_path: Pat
 
         # A client without the login: one message naming the fix, no traceback, nothing made.
         strangers = client_env(api, None, tmp_path / "stranger")
-        res = subprocess.run(
-            [GRIDSOLVE, "deploy", "--project", str(REPO)],
-            env=strangers,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        res = deploy(strangers)
         assert res.returncode == 2, res.stdout + res.stderr
         assert "requires a login (401 Unauthorized)" in res.stderr
         assert "PREFECT_API_AUTH_STRING" in res.stderr and "Traceback" not in res.stderr
         wrong = client_env(api, "alice:wrong", tmp_path / "stranger")
-        res = subprocess.run(
-            [GRIDSOLVE, "deploy", "--project", str(REPO)],
-            env=wrong,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        res = deploy(wrong)
         assert res.returncode == 2 and "refused PREFECT_API_AUTH_STRING" in res.stderr
         assert "alice:wrong" not in res.stdout + res.stderr and "wrong" not in res.stderr
 
@@ -117,13 +116,7 @@ def test_basic_auth_refuses_strangers_and_runs_the_team_deployment(tmp_path: Pat
 
         # The team: deploy, a worker, and a run of the on-demand deployment.
         team = client_env(api, LOGIN, tmp_path / "team")
-        res = subprocess.run(
-            [GRIDSOLVE, "deploy", "--project", str(REPO)],
-            env=team,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        res = deploy(team)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         assert LOGIN.split(":")[1] not in res.stdout + res.stderr  # the password is never shown
         log = tmp_path / "worker.log"

@@ -26,20 +26,9 @@ from prefect.deployments import run_deployment
 
 from gridsolve.flows.automations import RETRY_CRASHED
 
-from testkit import make_ds
+from testkit import make_ds, tiles_stored
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("worker")]
-
-
-def tiles_stored(cache: Path, kind: str) -> int:
-    n = 0
-    for manifest in (cache / "objects").glob("*/*/manifest.json"):
-        try:
-            info = json.loads(manifest.read_text())
-        except (OSError, ValueError):
-            continue
-        n += info.get("kind") == kind and info.get("part") == "tile"
-    return n
 
 
 def engine_pid(flow_run_id: UUID) -> int | None:

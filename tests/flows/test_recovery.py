@@ -19,7 +19,7 @@ import yaml
 
 from gridsolve.stages.engine.store import Store
 
-from testkit import make_ds
+from testkit import make_ds, tiles_stored
 
 GRIDSOLVE = str(Path(sys.executable).parent / "gridsolve")
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
@@ -62,14 +62,6 @@ def wait_for(pred: Callable[[], bool], proc: subprocess.Popen[bytes], timeout: f
         assert proc.poll() is None, "the run ended before the moment to kill it"
         time.sleep(0.02)
     raise AssertionError("timed out waiting for the moment to kill the run")
-
-
-def tiles_stored(cache: Path, kind: str) -> int:
-    n = 0
-    for manifest in (cache / "objects").glob("*/*/manifest.json"):
-        info = json.loads(manifest.read_text())
-        n += info.get("kind") == kind and info.get("part") == "tile"
-    return n
 
 
 def cache_is_whole(cache: Path) -> None:
