@@ -381,12 +381,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """Validate a config; open the input, probe the output and cache buckets.
+    """Validate a config; open the input, import the model class, probe the buckets.
 
     Probing a bucket writes and deletes one small object; a NetCDF object is
     opened from its local copy (made under GRIDSOLVE_MIRROR).
     """
     from gridsolve.schemas.kinds.load import NetCDFLoad
+    from gridsolve.schemas.kinds.model import ModuleModel
     from gridsolve.schemas.reading import config_to_yaml, load_config
     from gridsolve.stages.engine.remote import is_url
     from gridsolve.stages.engine.store import open_store
@@ -400,6 +401,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         check_write_target(cfg.write)
     if is_url(cfg.cache.root):
         open_store(cfg.cache.root, cfg.cache.storage_options)  # probes the bucket
+    if isinstance(cfg.model, ModuleModel):
+        # Only here is torch imported: the class the config names needs it anyway.
+        from gridsolve.stages.model.vmapped import import_target
+
+        import_target(cfg.model.target, "model")
     print(config_to_yaml(cfg), end="")
     print("config is valid")
     return 0

@@ -1,5 +1,5 @@
 """The ``design`` kind: the design matrix shared by every pixel."""
 
-from gridsolve.stages.design import builtin, contract
+from gridsolve.stages.design import contract
 
-__all__ = ["builtin", "contract"]
+__all__ = ["contract"]

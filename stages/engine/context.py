@@ -10,12 +10,13 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from gridsolve.schemas.errors import ConfigError
 from gridsolve.stages.engine.store import Store
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -49,6 +50,8 @@ def work_share(memory_budget: int) -> int:
 
 def resolve_device(name: str) -> torch.device:
     """The torch device for ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    import torch  # here, not at the top: stages that never touch torch must not import it
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda"):

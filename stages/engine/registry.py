@@ -3,13 +3,17 @@
 A declaration ties a pure function to its kind, implementation name, version
 (an override: keys already cover the code's source, see ``stages/engine/versions.py``),
 config model and output contract. Built-in
-implementations register at import of their module; third-party packages
-register with :func:`register` or through the ``gridsolve.stages`` entry-point
-group, loaded on first use.
+implementations register at import of their module (:data:`BUILTIN_MODULES`), which
+happens on the registry's first use, not at ``import gridsolve.stages``: several
+import torch, and commands that only read configs (``gridsolve schema``,
+``validate``) must not pay for it. Third-party packages register with
+:func:`register` or through the ``gridsolve.stages`` entry-point group, also
+loaded on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -149,10 +153,35 @@ def unregister(kind: str, impl: str) -> None:
         catalog.remove(kind, impl)
 
 
+#: The modules whose import registers the built-in implementations, in run order.
+BUILTIN_MODULES = (
+    "gridsolve.stages.load.netcdf",
+    "gridsolve.stages.design.builtin",
+    "gridsolve.stages.normal_equations.svd",
+    "gridsolve.stages.solve.lstsq",
+    "gridsolve.stages.train.stage",
+    "gridsolve.stages.model.vmapped",
+    "gridsolve.stages.write.netcdf",
+    "gridsolve.stages.write.zarr",
+)
+_builtins_loaded = False
+
+
+def load_builtins() -> None:
+    """Import the built-in implementations once (they register themselves)."""
+    global _builtins_loaded
+    with _LOCK:
+        if _builtins_loaded:
+            return
+        # Set first: a built-in module that consults the registry while it is being
+        # imported must not re-enter this loop.
+        _builtins_loaded = True
+        for name in BUILTIN_MODULES:
+            importlib.import_module(name)
+
+
 def _load_entry_points() -> None:
-    # The built-in implementations need no import here: importing anything
-    # under gridsolve.stages (this module included) runs gridsolve/stages/__init__,
-    # which imports every built-in kind, and they register.
+    load_builtins()
     catalog.load_plugins()
 
 

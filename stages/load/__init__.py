@@ -1,5 +1,5 @@
 """The ``load`` kind: open an input cube, check its contract, hash its content."""
 
-from gridsolve.stages.load import contract, netcdf
+from gridsolve.stages.load import contract
 
-__all__ = ["contract", "netcdf"]
+__all__ = ["contract"]

@@ -1,5 +1,5 @@
 """The ``normal_equations`` kind: factorisations of the shared design."""
 
-from gridsolve.stages.normal_equations import contract, svd
+from gridsolve.stages.normal_equations import contract
 
-__all__ = ["contract", "svd"]
+__all__ = ["contract"]

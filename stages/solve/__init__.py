@@ -1,5 +1,5 @@
 """The ``solve`` kind: coefficients and diagnostics at every pixel, tile by tile."""
 
-from gridsolve.stages.solve import contract, lstsq
+from gridsolve.stages.solve import contract
 
-__all__ = ["contract", "lstsq"]
+__all__ = ["contract"]

@@ -82,6 +82,38 @@ def test_validate_good_and_bad(tmp_path: Path) -> None:
     assert_clean_failure(bad, "solve.polcy: unknown key", "write.complevel")
 
 
+def test_reading_commands_import_neither_torch_nor_prefect(tmp_path: Path) -> None:
+    """`schema`, `validate` and `stages`' config side are cheap: no torch, no Prefect."""
+    cube = tmp_path / "cube.nc"
+    make_ds().to_netcdf(cube)
+    plain = write_config(tmp_path, cube).rename(tmp_path / "plain.yaml")
+    cfg = write_config(
+        tmp_path, cube, model={"impl": "module", "target": "torch.nn:Identity", "input_shape": [4]}
+    )
+    probe = (
+        "import sys, io, contextlib\n"
+        "from gridsolve.flows.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    rc = main(sys.argv[1:])\n"
+        "heavy = sorted(m for m in ('torch', 'prefect') if m in sys.modules)\n"
+        "print(rc, ','.join(heavy) or '-')\n"
+    )
+    for args, expect in (
+        (["schema"], "0 -"),
+        (["validate", str(plain)], "0 -"),
+        # a config that names a model class imports that class's module, as it must
+        (["validate", str(cfg)], "0 torch"),
+    ):
+        res = subprocess.run(
+            [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=300
+        )
+        assert res.stdout.strip().splitlines()[-1] == expect, (args, res.stdout, res.stderr)
+    bad = write_config(
+        tmp_path, cube, model={"impl": "module", "target": "nosuch.mod:X", "input_shape": [4]}
+    )
+    assert_clean_failure(gridsolve("validate", str(bad)), "cannot import module 'nosuch.mod'")
+
+
 @pytest.mark.server
 @pytest.mark.usefixtures("prefect_server")
 def test_missing_input_fails_cleanly_without_output(tmp_path: Path) -> None:
