@@ -359,6 +359,107 @@ def _dual(
     return x, conv, (L, S)
 
 
+#: The shared dual matrix AAᵀ + λI must be this well conditioned for the gap-wise
+#: (Schur complement) dual; worse designs take the per-pixel factorisation.
+SCHUR_MAX_COND = 1e8
+
+
+def gapwise_dual(
+    A: torch.Tensor, pol: Policy, spread: bool, zero_one_weights: bool
+) -> torch.Tensor | None:
+    """``H = (AAᵀ + λI)⁻¹`` when the per-pixel path solves by gaps (:func:`_dual_schur`), else None.
+
+    It does for the dual form (coef > obs, not ``cholesky``) without a spread
+    (uncertainty needs the per-pixel factor), with 0/1 weights or no ridge, when
+    ``AAᵀ + λI`` is well conditioned (:data:`SCHUR_MAX_COND`).
+    """
+    obs, coef = A.shape
+    lam = pol.ridge if pol.policy == "ridge" else 0.0
+    if pol.policy == "cholesky" or coef <= obs or spread or (lam and not zero_one_weights):
+        return None
+    M = A @ A.T
+    M.diagonal().add_(lam)
+    ev = torch.linalg.eigvalsh(M)
+    if not bool(ev[0] > 0) or float(ev[-1] / ev[0]) > SCHUR_MAX_COND:
+        return None
+    return torch.cholesky_inverse(torch.linalg.cholesky(M))
+
+
+def _dual_schur(
+    A: torch.Tensor,
+    B0: torch.Tensor,
+    valid: torch.Tensor,
+    lam: float,
+    H: torch.Tensor,
+    active: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual solutions ``c = A_vᵀ (A_vA_vᵀ + λI)⁻¹ b_v`` of every pixel, from the shared ``H``.
+
+    ``H = (AAᵀ + λI)⁻¹`` for all rows; a pixel's matrix is the principal submatrix
+    ``M_vv`` of ``M = AAᵀ + λI`` on its valid rows v, whose inverse is the Schur
+    complement ``H_vv − H_vm H_mm⁻¹ H_mv`` (m: its missing rows). So a pixel needs
+    only a k × k factorisation, k = its gap count (the per-pixel dual factors
+    obs × obs), and ``α = H b − H E_m H_mm⁻¹ (H b)_m`` vanishes on m by
+    construction. Pixels are sorted by k and each k factored as one group (no
+    padding); refined twice with the true residual like the other per-pixel
+    paths. Valid for 0/1 weights, or any weights without ridge (a minimum-norm
+    fit of full row rank interpolates, so the weights do not change it); the
+    caller checks that. Inactive pixels are not solved (their result is junk).
+    """
+    M = A @ A.T
+    M.diagonal().add_(lam)
+    ones = torch.ones((1, A.shape[0]), dtype=A.dtype, device=A.device)
+    k_of = A.shape[0] - colmm(ones, valid.to(A.dtype))[0].round().to(torch.int64)
+    if active is not None:
+        k_of = torch.where(active, k_of, 0)
+    order = torch.argsort(k_of, stable=True)
+    ks, counts = torch.unique_consecutive(k_of[order], return_counts=True)
+    # Everything below works on the pixels sorted by k: each group is a slice (a view).
+    B0s = B0[:, order]
+    on = valid[:, order].to(A.dtype)
+    if active is not None:
+        on[:, k_of[order] == 0] = 1.0  # inactive pixels: solved as if gap-free, dropped later
+    # the gap rows of every pixel, pixel after pixel, ascending within a pixel
+    gap_rows = torch.nonzero(on.T == 0)[:, 1]
+    ok = torch.ones(B0.shape[1], dtype=torch.bool, device=A.device)
+    groups: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+    s0 = r0 = 0
+    for k, n in zip(ks.tolist(), counts.tolist(), strict=True):
+        if k:
+            rows = gap_rows[r0 : r0 + k * n].reshape(n, k).T.contiguous()  # (k, n)
+            L, good = batched_cholesky(H[rows[:, None, :], rows[None, :, :]])
+            ok[s0 : s0 + n] = good
+            groups.append((s0, s0 + n, rows, L))
+            r0 += k * n
+        s0 += n
+
+    def apply(r: torch.Tensor) -> torch.Tensor:
+        """``M_vv⁻¹ r_v`` per pixel (``r`` zero on missing rows), zero on missing rows."""
+        u = colmm(H, r)
+        Z = torch.zeros_like(u)
+        for a, b, rows, L in groups:
+            y = cholesky_solve(L, torch.gather(u[:, a:b], 0, rows))
+            Z[:, a:b].scatter_(0, rows, y)
+        return (u - colmm(H, Z)).mul_(on)
+
+    # Refined on the dual system itself (residual b − Mα on the valid rows, one
+    # product with the shared M), and judged on α: c = Aᵀα is formed once, at the end.
+    alpha = apply(B0s)
+    conv = ok
+    for _ in range(REFINE_STEPS):
+        da = apply((B0s - colmm(M, alpha)).mul_(on))
+        alpha += da
+        conv = ok & _converged(da, alpha)
+        if bool(conv.eq(ok).all()):
+            break
+    x = colmm(A.T, alpha)
+    out = torch.empty_like(x)
+    out[:, order] = x
+    good = torch.empty_like(conv)
+    good[order] = conv
+    return out, good
+
+
 def svd_per_pixel(
     A: torch.Tensor, B0: torch.Tensor, Wp: torch.Tensor, how: str, pol: Policy
 ) -> torch.Tensor:
@@ -563,9 +664,16 @@ def _solve_per_pixel(
     obs, coef = A.shape
     lam = pol.ridge if pol.policy == "ridge" else 0.0
     use_dual = pol.policy != "cholesky" and coef > obs
-    x, good, (L, extra) = (_dual if use_dual else _primal)(A, B0, Wp, lam)
+    zero_one = not (lam and use_dual) or bool(((Wp == 0) | (Wp == 1)).all())
+    H = gapwise_dual(A, pol, full is not None, zero_one)
+    if H is not None:
+        x, good = _dual_schur(A, B0, Wp > 0, lam, H, active)
+        L = extra = None
+    else:
+        x, good, (L, extra) = (_dual if use_dual else _primal)(A, B0, Wp, lam)
     spread = None
     if full is not None:
+        assert L is not None
         if use_dual:
             assert extra is not None
             spread = _dual_spread(A, L, extra, lam, full)

@@ -829,28 +829,39 @@ def _solve_per_pixel(
     blk.paths["per_pixel"] = len(todo)
     t0 = time.perf_counter()
     if len(todo):
-        chunk = _per_pixel_chunk(blk, memory_budget)
         systems = _PixelSystems(
             At=torch.from_numpy(op.A).to(blk.device),
             w_shared=torch.from_numpy(op.sqrtw**2).to(blk.device)[:, None],
             unweighted=bool((op.sqrtw == 1).all()),
             own_weights=own_weights,
         )
+        zero_one = systems.unweighted and own_weights is None
+        by_gaps = linalg.gapwise_dual(systems.At, blk.pol, blk.mom is not None, zero_one)
+        max_gaps = op.A.shape[0] - int(g.n_valid[todo].min())
+        chunk = _per_pixel_chunk(blk, memory_budget, max_gaps if by_gaps is not None else None)
         for sel, active in _per_pixel_batches(todo, g.per_pixel, blk.B.shape[1], chunk):
             if not active.any():
                 continue
             _solve_batch(blk, g, systems, sel, active)
         # Solved in float64: a coefficient beyond the stored dtype is inf now.
-        over = ~np.isfinite(g.C[:, todo]).all(axis=0)
+        # (all columns, then picked: a column gather of C first costs 20× more)
+        over = ~np.isfinite(g.C).all(axis=0)[todo]
         g.rms[todo[over]] = np.inf
         g.rms[todo[blk.status[todo] == linalg.SINGULAR]] = np.nan
     blk.seconds["per_pixel"] = time.perf_counter() - t0
 
 
-def _per_pixel_chunk(blk: _Block, memory_budget: int) -> int:
-    """Pixels per batch of the per-pixel path."""
+def _per_pixel_chunk(blk: _Block, memory_budget: int, max_gaps: int | None) -> int:
+    """Pixels per batch of the per-pixel path (``max_gaps``: it solves by gaps, at most so many)."""
     config = blk.config
     n_obs, coef = blk.op.A.shape
+    if max_gaps is not None:
+        # linalg._dual_schur: a dozen obs-long vectors, the coefficients, and each
+        # pixel's gap block and its factor. Larger batches than the other paths: its
+        # per-gap-count loops cost per batch, not per pixel.
+        per_px = 8 * (12 * n_obs + 3 * coef + max_gaps * max_gaps)
+        fit = chunk_size(work_share(memory_budget), per_px, minimum=1024)
+        return config.chunk_pixels or min(65536, fit)
     big = max(coef, n_obs) if (config.policy != "cholesky" and coef > n_obs) else coef
     per_px_bytes = 8 * (3 * big * big + 8 * n_obs + 6 * coef)
     if blk.mom is not None:  # the spread's per-pixel factors (linalg._primal/_dual_spread)

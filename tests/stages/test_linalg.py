@@ -62,3 +62,83 @@ def test_per_pixel_solve_does_not_depend_on_batch() -> None:
         rows = M[:, p].numpy()
         expected = np.linalg.lstsq(A.numpy()[rows], B0[:, p].numpy()[rows], rcond=None)[0]
         np.testing.assert_allclose(full[:, p].numpy(), expected, rtol=1e-9, atol=1e-12)
+
+
+def _dual_oracle(A: np.ndarray, b: np.ndarray, rows: np.ndarray, lam: float) -> np.ndarray:
+    """The pixel's own minimum-norm (λ = 0) or ridge solution, by numpy on its valid rows."""
+    Av = A[rows]
+    if lam:
+        return np.asarray(Av.T @ np.linalg.solve(Av @ Av.T + lam * np.eye(len(Av)), b[rows]))
+    return np.asarray(np.linalg.lstsq(Av, b[rows], rcond=None)[0])
+
+
+@pytest.mark.parametrize(
+    ("policy", "weighted", "gapwise"),
+    [
+        (linalg.Policy("minnorm"), False, True),
+        (linalg.Policy("ridge", ridge=0.3), False, True),
+        # weights never change an interpolating minimum-norm fit: still by gaps
+        (linalg.Policy("minnorm"), True, True),
+        # ridge with real weights: each pixel's own dual factorisation
+        (linalg.Policy("ridge", ridge=0.3), True, False),
+    ],
+)
+def test_dual_by_gaps_matches_each_pixels_own_solution(
+    policy: linalg.Policy, weighted: bool, gapwise: bool
+) -> None:
+    """coef > obs with gaps: the Schur-complement dual equals numpy on each pixel's rows."""
+    rng = np.random.default_rng(7)
+    obs, coef, n = 30, 60, 3000
+    A = rng.standard_normal((obs, coef))
+    valid = rng.random((obs, n)) > 0.25
+    valid[:, 0] = False  # all missing (inactive)
+    valid[1:, 1] = False  # a single valid row
+    valid[:, 2] = True  # gap-free
+    B = rng.standard_normal((obs, n))
+    W = valid * (rng.uniform(0.5, 2.0, (obs, n)) if weighted else 1.0)
+    active = torch.ones(n, dtype=torch.bool)
+    active[0] = False
+    At = torch.from_numpy(A)
+    zero_one = not weighted
+    assert (linalg.gapwise_dual(At, policy, False, zero_one) is not None) is gapwise
+    B0 = torch.from_numpy(np.where(valid, B, 0.0))
+    x, status = linalg.solve_per_pixel(At, B0, torch.from_numpy(W), policy, active=active)
+    assert bool((status[1:] == linalg.OK).all())
+    lam = policy.ridge if policy.policy == "ridge" else 0.0
+    for p in [1, 2, *range(3, n, 211)]:
+        rows = valid[:, p]
+        if weighted and lam:
+            sw = np.sqrt(W[rows, p])
+            Av, bv = A[rows] * sw[:, None], B[rows, p] * sw
+            expected = Av.T @ np.linalg.solve(Av @ Av.T + lam * np.eye(len(Av)), bv)
+        else:
+            expected = _dual_oracle(A, B[:, p], rows, lam)
+        np.testing.assert_allclose(x[:, p].numpy(), expected, rtol=1e-10, atol=1e-12)
+    # and a pixel's result does not depend on its batch (sorting by gap count included)
+    for s, e in [(1, 2), (5, 700), (1500, 3000)]:
+        part, part_status = linalg.solve_per_pixel(
+            At, B0[:, s:e], torch.from_numpy(W[:, s:e]), policy, active=active[s:e]
+        )
+        assert torch.equal(part_status, status[s:e])
+        assert not _agree(part, x[:, s:e])
+
+
+def test_dual_by_gaps_needs_a_well_conditioned_shared_matrix() -> None:
+    """Nearly dependent design rows: not by gaps, and every pixel still equals numpy."""
+    rng = np.random.default_rng(3)
+    obs, coef, n = 12, 20, 400
+    A = rng.standard_normal((obs, coef))
+    A[5] = A[4] + 1e-7 * rng.standard_normal(coef)  # AAᵀ has condition ~1e15
+    At = torch.from_numpy(A)
+    assert linalg.gapwise_dual(At, linalg.Policy("minnorm"), False, True) is None
+    assert linalg.gapwise_dual(At, linalg.Policy("ridge", ridge=1.0), False, True) is not None
+    valid = rng.random((obs, n)) > 0.2
+    B = rng.standard_normal((obs, n))
+    B0 = torch.from_numpy(np.where(valid, B, 0.0))
+    x, status = linalg.solve_per_pixel(
+        At, B0, torch.from_numpy(valid.astype(float)), linalg.Policy("ridge", ridge=1.0)
+    )
+    assert bool((status == linalg.OK).all())
+    for p in range(0, n, 37):
+        expected = _dual_oracle(A, B[:, p], valid[:, p], 1.0)
+        np.testing.assert_allclose(x[:, p].numpy(), expected, rtol=1e-10, atol=1e-12)
