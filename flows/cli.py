@@ -93,6 +93,10 @@ def _prefect(*args: str) -> list[str]:
     return [sys.executable, "-m", "prefect", *args]
 
 
+#: How often `gridsolve worker` asks the server for runs (PREFECT_WORKER_QUERY_SECONDS wins).
+WORKER_QUERY_SECONDS = 1
+
+
 def _prefect_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -226,7 +230,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from gridsolve.flows.localserver import supervise
 
     _need_api()
-    return supervise(_prefect("worker", "start", "--pool", args.pool), _prefect_env())
+    env = _prefect_env()
+    # Prefect polls every 10 s by default, so a run triggered in the UI waited 5 s on
+    # average before anything happened; one poll a second costs the server little.
+    env.setdefault("PREFECT_WORKER_QUERY_SECONDS", str(WORKER_QUERY_SECONDS))
+    return supervise(_prefect("worker", "start", "--pool", args.pool), env)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
