@@ -765,9 +765,9 @@ def _publish(
             deployment=rt_deployment.name or None,  # None for a CLI or local run
             config=config_summary(cfg) if cfg is not None else "",
         )
-        picture, png = write_quicklook(summary.output, options, caption)
+        picture, png, reused = write_quicklook(summary.output, options, caption)
         create_markdown_artifact(
-            markdown=quicklook_markdown(png, picture, summary.output),
+            markdown=quicklook_markdown(png, picture, summary.output, reused=reused),
             key="gridsolve-quicklook",
             description="first coefficient and residual RMS maps",
         )

@@ -9,6 +9,11 @@ the caption names the run, its deployment, the config keys that were set and
 the solve status counts of the whole file.
 
 A cube with more batch dims than y and x is shown at their first index.
+
+A picture is not redrawn for an output file it was already drawn from (same
+file: size, mtime, inode; same deployment and config keys): a fully cached
+rerun reuses it, and its caption names the run that drew it. matplotlib is
+imported only to draw.
 """
 
 from __future__ import annotations
@@ -16,22 +21,20 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import struct
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: no display on workers
-
-import matplotlib.pyplot as plt
 import numpy as np
 import xarray as xr
-from matplotlib.figure import Figure
-from matplotlib.layout_engine import ConstrainedLayoutEngine
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.paths import atomic_file
@@ -485,6 +488,10 @@ def quicklook_figure(
     title_h = max(len(p.title) for p in panels) * 1.25 * 8.5 / 72
     height = 3.4 + title_h + caption_h
     bottom = caption_h / height  # the caption's strip, below the maps
+    import matplotlib  # here: importing it costs a second, and a reused picture needs none
+    from matplotlib.figure import Figure
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
+
     layout = ConstrainedLayoutEngine(rect=(0, bottom, 1, 1 - bottom))
     fig = Figure(figsize=(width, height), dpi=90, layout=layout)
     axes = fig.subplots(1, n, squeeze=False)[0]
@@ -509,9 +516,9 @@ def quicklook_figure(
     return fig
 
 
-def _png(fig: Figure) -> bytes:
+def _png(fig: Figure, stamp: str | None = None) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="png", metadata={STAMP_KEY: stamp} if stamp else None)
     return buf.getvalue()
 
 
@@ -530,6 +537,11 @@ def loss_curve_png(output: str | Path, options: Mapping[str, Any] | None = None)
         epoch = ds["epoch"].values
         train = ds["train_loss"].values
         val = ds["val_loss"].values
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display on workers
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(5, 3.4), dpi=80, constrained_layout=True)
     ax.plot(epoch, train, marker="o", label="training")
     if np.isfinite(val).any():
@@ -558,12 +570,61 @@ def _write_beside(
     return path
 
 
+#: The PNG text key holding :func:`drawn_from`'s stamp of the output a picture shows.
+STAMP_KEY = "gridsolve-output"
+
+
+def drawn_from(output: str | Path, caption: Caption | None) -> str | None:
+    """What identifies the picture of a local ``output`` (None for a URL or a missing file).
+
+    The file's identity (path, size, mtime, inode) and the caption's deployment
+    and config, not its run name.
+    """
+    if remote.is_url(str(output)):
+        return None
+    try:
+        st = os.stat(output)
+    except OSError:
+        return None
+    said = (caption.deployment, caption.config) if caption is not None else None
+    return json.dumps([str(output), st.st_size, st.st_mtime_ns, st.st_ino, said])
+
+
+def png_text(png: bytes) -> dict[str, str]:
+    """The tEXt entries of a PNG (those before its image data)."""
+    out: dict[str, str] = {}
+    pos = 8  # the signature
+    while pos + 8 <= len(png):
+        (length,) = struct.unpack(">I", png[pos : pos + 4])
+        kind = png[pos + 4 : pos + 8]
+        if kind == b"IDAT":
+            break
+        if kind == b"tEXt":
+            key, _, value = png[pos + 8 : pos + 8 + length].partition(b"\0")
+            out[key.decode("latin-1")] = value.decode("latin-1")
+        pos += 12 + length
+    return out
+
+
 def write_quicklook(
     output: str | Path, options: Mapping[str, Any] | None = None, caption: Caption | None = None
-) -> tuple[Path | str, bytes]:
-    """Write ``<output>.quicklook.png`` beside the output (atomically); return path and bytes."""
-    png = quicklook_png(output, options, caption)
-    return _write_beside(output, "quicklook", png, options), png
+) -> tuple[Path | str, bytes, bool]:
+    """Write ``<output>.quicklook.png`` beside the output (atomically); path, bytes, reused.
+
+    A picture already beside the output and drawn from this very file (see
+    :func:`drawn_from`) is returned as it is (``reused``), not drawn again.
+    """
+    stamp = drawn_from(output, caption)
+    if stamp is not None:
+        existing = Path(f"{output}.quicklook.png")
+        try:
+            png = existing.read_bytes()
+        except OSError:
+            png = b""
+        if png and png_text(png).get(STAMP_KEY) == stamp:
+            return existing, png, True
+    png = _png(quicklook_figure(output, options, caption), stamp)
+    return _write_beside(output, "quicklook", png, options), png, False
 
 
 def write_loss_curve(
@@ -574,10 +635,22 @@ def write_loss_curve(
     return None if png is None else (_write_beside(output, "loss", png, options), png)
 
 
-def markdown(png: bytes, path: Path | str, output: str | Path, title: str = "quick look") -> str:
+def markdown(
+    png: bytes,
+    path: Path | str,
+    output: str | Path,
+    title: str = "quick look",
+    reused: bool = False,
+) -> str:
     """Markdown showing the picture inline, with where the file and the picture are."""
     data = base64.b64encode(png).decode("ascii")
+    note = (
+        "  \nThe output file is the one an earlier run wrote (every stage a cache hit): "
+        "its picture, drawn by that run, is shown."
+        if reused
+        else ""
+    )
     return (
         f"### gridsolve {title}\n\n![{title}](data:image/png;base64,{data})\n\n"
-        f"Output: `{output}`  \nPicture: `{path}`\n"
+        f"Output: `{output}`  \nPicture: `{path}`{note}\n"
     )

@@ -18,7 +18,9 @@ that can change numbers (:data:`NUMERIC_PACKAGES`).
 
 The digest is of the files on disk, re-read when their size or mtime change;
 a long-running process (a Dask worker) whose files were edited under it runs
-its old code, so restart workers after changing code.
+its old code, so restart workers after changing code. Parsed files are also
+remembered on disk (:func:`memo_file`, by path, size, mtime and inode, per
+Python version), so a new process does not parse every module again.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import functools
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import json
 import os
 import site
 import sys
@@ -36,6 +39,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gridsolve.stages.engine.hashing import canonical_json, hash_text
 
@@ -82,6 +86,59 @@ class _Parsed:
 
 _PARSED: dict[tuple[str, int, int, int], _Parsed] = {}
 _LOCK = threading.Lock()
+#: entries of the memo file read in this process (None: not read yet) and whether any is new
+_DISK: dict[str, list[Any]] | None = None
+_DISK_NEW = False
+#: bumped when what a digest covers changes, so older memo files are not read
+_MEMO_FORMAT = 1
+
+
+def memo_file() -> Path:
+    """Where parsed digests are remembered between processes (per Python version)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    v = sys.version_info
+    return Path(base) / "gridsolve" / f"code-digests-py{v[0]}{v[1]}-v{_MEMO_FORMAT}.json"
+
+
+def _disk() -> dict[str, list[Any]]:
+    global _DISK
+    if _DISK is None:
+        try:
+            loaded = json.loads(memo_file().read_text())
+            _DISK = loaded if isinstance(loaded, dict) else {}
+        except (OSError, ValueError):
+            _DISK = {}
+    return _DISK
+
+
+def _current(disk_key: str) -> bool:
+    """Whether a memo entry still describes its file as it is on disk."""
+    path, _, size, mtime, ino = disk_key.rsplit("|", 4)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (str(st.st_size), str(st.st_mtime_ns), str(st.st_ino)) == (size, mtime, ino)
+
+
+def save_memo() -> None:
+    """Write this process's new digests to :func:`memo_file` (atomically; best effort)."""
+    global _DISK_NEW
+    with _LOCK:
+        if not _DISK_NEW or _DISK is None:
+            return
+        path = memo_file()
+        # Entries of files since edited or removed are dropped: the memo stays small.
+        for key in [k for k in _DISK if not _current(k)]:
+            del _DISK[key]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(_DISK))
+            os.replace(tmp, path)  # concurrent writers: the last one's memo is kept, whole
+        except OSError:
+            return  # a read-only home: digests are computed again next time
+        _DISK_NEW = False
 
 
 class _StripDocstrings(ast.NodeTransformer):
@@ -137,10 +194,16 @@ def _imports(tree: ast.Module, package: str) -> tuple[str, ...]:
 
 
 def _parse(path: str, package: str) -> _Parsed:
+    global _DISK_NEW
     st = os.stat(path)
     memo = (path, st.st_size, st.st_mtime_ns, st.st_ino)
+    disk_key = f"{path}|{package}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
     with _LOCK:
         if memo in _PARSED:
+            return _PARSED[memo]
+        known = _disk().get(disk_key)
+        if isinstance(known, list) and len(known) == 2:
+            _PARSED[memo] = _Parsed(digest=str(known[0]), imports=tuple(known[1]))
             return _PARSED[memo]
     source = Path(path).read_bytes()
     try:
@@ -153,6 +216,8 @@ def _parse(path: str, package: str) -> _Parsed:
         parsed = _Parsed(digest=hash_text(normalised), imports=imports)
     with _LOCK:
         _PARSED[memo] = parsed
+        _disk()[disk_key] = [parsed.digest, list(parsed.imports)]
+        _DISK_NEW = True
     return parsed
 
 
@@ -245,4 +310,6 @@ def module_digests(roots: Iterable[str]) -> dict[str, str]:
 
 def code_digest(roots: Iterable[str]) -> str:
     """One digest of the source of the modules ``roots`` run (see :func:`module_digests`)."""
-    return hash_text(canonical_json(module_digests(roots)))
+    digest = hash_text(canonical_json(module_digests(roots)))
+    save_memo()
+    return digest

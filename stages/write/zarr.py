@@ -19,12 +19,10 @@ import tempfile
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import dask.array as dsa
 import numpy as np
 import xarray as xr
-import zarr
 
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
 from gridsolve.schemas.kinds.write import ZarrWrite
@@ -33,6 +31,12 @@ from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
 from gridsolve.stages.engine.paths import atomic_folder, sweep_dead_temporaries
 from gridsolve.stages.engine.registry import StageDecl, register
+
+if TYPE_CHECKING:
+    import zarr
+
+# zarr and dask are imported where a store is written, not here: every run imports
+# this module (it registers the writer), and they cost a third of a second.
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
 from gridsolve.stages.load.contract import plane_window
 from gridsolve.stages.write import netcdf as nc_writer
@@ -90,6 +94,8 @@ def _template(
         shape = [sizes[d] for d in dims]
         chunks = nc_writer.chunk_sizes(dims, shape, *yx, config)
         fill = np.nan if data.dtype.kind == "f" else 0
+        import dask.array as dsa
+
         lazy = dsa.full(shape, fill, dtype=data.dtype, chunks=chunks)  # type: ignore[no-untyped-call]
         out[v["name"]] = (dims, lazy, v["attrs"])
         out[v["name"]].encoding.update(
@@ -115,6 +121,8 @@ def _write_tiles(
     Zarr leaves a chunk that equals the fill value unwritten; integer variables
     (status flags) have no fill value, and a reader would then make up values.
     """
+    import zarr
+
     yx = (meta["y_dim"], meta["x_dim"])
     lead_dims = list(meta.get("lead_dims") or [])
 
@@ -192,6 +200,8 @@ def _fill(
     first = {kind: art.tiles[0][1] for kind, art in tiled.items()}
     template = _template(config, load, variables, first, base)
     so = remote.storage_options(options) if options is not None else None
+    import zarr
+
     with zarr.config.set({"array.write_empty_chunks": True}):  # the coordinates' chunks too
         template.to_zarr(
             store,

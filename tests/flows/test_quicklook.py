@@ -19,9 +19,12 @@ from matplotlib.collections import QuadMesh
 from matplotlib.figure import Figure
 
 from gridsolve.flows.quicklook import (
+    STAMP_KEY,
     Caption,
     colour_scale,
     config_summary,
+    drawn_from,
+    png_text,
     quicklook_figure,
     quicklook_png,
     significant_trend,
@@ -348,11 +351,14 @@ def test_the_flow_captions_its_quick_look_with_the_run_and_config(
     from gridsolve.flows import pipeline
 
     captions: list[Caption] = []
+    reused: list[bool] = []
 
     def recording(output: Any, options: Any = None, caption: Caption | None = None) -> Any:
         assert caption is not None
         captions.append(caption)
-        return write_quicklook(output, options, caption)
+        got = write_quicklook(output, options, caption)
+        reused.append(got[2])
+        return got
 
     monkeypatch.setattr(pipeline, "write_quicklook", recording)
     cfg = build_config(
@@ -372,7 +378,13 @@ def test_the_flow_captions_its_quick_look_with_the_run_and_config(
     assert caption.run == name and caption.deployment is None  # a local run
     assert "design.impl=polynomial, design.degree=1" in caption.config
     assert "solve." not in caption.config  # nothing of solve was set
-    assert Path(f"{tmp_path / 'out.nc'}.quicklook.png").read_bytes().startswith(b"\x89PNG")
+    picture = Path(f"{tmp_path / 'out.nc'}.quicklook.png")
+    drawn = picture.read_bytes()
+    assert drawn.startswith(b"\x89PNG") and reused == [False]
+    # a fully cached rerun leaves the output file as it is: its picture is reused, not redrawn
+    again = pipeline.run_config(cfg)
+    assert {row.cache for row in again.stages} == {"hit"}
+    assert reused == [False, True] and picture.read_bytes() == drawn
 
 
 def test_the_caption_counts_the_status_of_the_whole_file_by_its_flags(tmp_path: Path) -> None:
@@ -405,3 +417,26 @@ def test_the_caption_counts_the_status_of_the_whole_file_by_its_flags(tmp_path: 
     ) in text
     assert "all_missing" not in text  # no pixel has it
     assert "member=0" in flat(panels(fig)[0].get_title())  # the maps: the first member
+
+
+def test_a_picture_is_drawn_again_when_its_output_or_caption_changed(
+    chain: Chain, write_cube: Any, tmp_path: Path
+) -> None:
+    out = output(chain, write_cube, tmp_path, "none")
+    caption = Caption(run="first", config="design.impl=polynomial")
+    path, png, reused = write_quicklook(out, None, caption)
+    assert not reused and png_text(png)[STAMP_KEY] == drawn_from(out, caption)
+    # another run of the same config over the same file: reused, caption of the first run kept
+    assert write_quicklook(out, None, Caption(run="second", config=caption.config))[1:] == (
+        png,
+        True,
+    )
+    # another config summary, or the output rewritten: drawn again
+    assert not write_quicklook(out, None, Caption(run="third", config="x=1"))[2]
+    stamp = png_text(Path(path).read_bytes())[STAMP_KEY]
+    st = out.stat()
+    import os
+
+    os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert drawn_from(out, Caption(run="fourth", config="x=1")) != stamp
+    assert not write_quicklook(out, None, Caption(run="fourth", config="x=1"))[2]

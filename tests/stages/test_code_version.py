@@ -72,8 +72,12 @@ def _copy_package(dest: Path) -> Path:
     return dest
 
 
-def _run_copy(copy: Path, cube: Path, store: Path) -> dict[str, Any]:
+def _run_copy(
+    copy: Path, cube: Path, store: Path, cache_home: Path | None = None
+) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    if cache_home is not None:  # where the digests of parsed sources are remembered
+        env["XDG_CACHE_HOME"] = str(cache_home)
     res = subprocess.run(
         [sys.executable, str(copy / "pipeline.py"), str(cube), str(store)],
         cwd=copy,
@@ -130,6 +134,41 @@ def test_editing_a_stage_source_misses_and_recomputes(tmp_path: Path) -> None:
     assert changed["coefficients"] == [
         [[2 * v for v in row] for row in c] for c in first["coefficients"]
     ]
+
+
+def test_an_edit_in_place_misses_though_digests_are_remembered_between_processes(
+    tmp_path: Path,
+) -> None:
+    """The on-disk memo of parsed sources never hides an edit of the same file."""
+    cube = tmp_path / "cube.nc"
+    make_ds(n_obs=10, ny=3, nx=4).to_netcdf(cube)
+    store, home = tmp_path / "store", tmp_path / "cache-home"
+    copy = _copy_package(tmp_path / "copy")
+    first = _run_copy(copy, cube, store, home)
+    memo = list((home / "gridsolve").glob("code-digests-*.json"))
+    assert len(memo) == 1
+    solve = copy / "gridsolve" / "stages" / "solve" / "lstsq.py"
+    assert any(k.startswith(f"{solve}|") for k in json.loads(memo[0].read_text()))
+    again = _run_copy(copy, cube, store, home)
+    assert all(again["hits"].values()) and again["coefficients"] == first["coefficients"]
+    inode = solve.stat().st_ino
+    with open(solve, "r+") as f:  # the same file (inode), edited: doubled coefficients
+        text = f.read().replace("        run=run_tile,\n", "        run=_doubled,\n")
+        f.seek(0)
+        f.write(
+            text.replace(
+                "\nregister(\n",
+                "\ndef _doubled(*args, **kwargs):\n"
+                "    out = run_tile(*args, **kwargs)\n"
+                '    out.arrays["coefficients"] = out.arrays["coefficients"] * 2\n'
+                "    return out\n\n\nregister(\n",
+                1,
+            )
+        )
+    assert solve.stat().st_ino == inode
+    edited = _run_copy(copy, cube, store, home)
+    assert not edited["hits"]["solve"] and edited["hits"]["load"]
+    assert edited["coefficients"] != first["coefficients"]
 
 
 def test_comments_and_docstrings_do_not_change_the_code_version(tmp_path: Path) -> None:

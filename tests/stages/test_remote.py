@@ -332,7 +332,7 @@ def test_quick_look_of_a_bucket_output_uses_the_write_storage_options(
     from s3server import forget_filesystems
 
     forget_filesystems()
-    picture, png = write_quicklook(s3.url("out.zarr"), {"endpoint_url": endpoint})
+    picture, png, _ = write_quicklook(s3.url("out.zarr"), {"endpoint_url": endpoint})
     assert picture == s3.url("out.zarr.quicklook.png") and png.startswith(b"\x89PNG")
     assert "out.zarr.quicklook.png" in s3.objects()
 
