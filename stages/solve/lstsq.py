@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import scipy.special
 import torch
 
 from gridsolve.schemas.artifacts import Tile
@@ -336,7 +335,8 @@ def _fit(
     centred: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     Bt = torch.from_numpy(np.ascontiguousarray(B, dtype=dtype)).to(device)
-    Ct = linalg.colmm(torch.from_numpy(np.ascontiguousarray(P, dtype=dtype)).to(device), Bt)
+    Pt = torch.from_numpy(np.ascontiguousarray(P, dtype=dtype)).to(device)
+    Ct = linalg.colmm(Pt, Bt, out=linalg.host_empty((P.shape[0], B.shape[1]), Pt.dtype, device))
     if Q is not None:
         R = linalg.colmm(torch.from_numpy(np.ascontiguousarray(Q, dtype=dtype)).to(device), Bt)
     else:
@@ -563,6 +563,8 @@ def p_values(t: np.ndarray, dof: np.ndarray, scaled: bool = True) -> np.ndarray:
     Student t with ``dof`` degrees of freedom (NaN where dof ≤ 0); ``scaled``
     False (``cov_scale: unscaled``): the standard normal.
     """
+    import scipy.special  # here: a run without uncertainty never needs it
+
     t64 = np.asarray(t, dtype=np.float64)
     with np.errstate(all="ignore"):
         if scaled:
@@ -666,11 +668,19 @@ def _solve_block(
     if gap_patterns is None:
         gap_patterns = np.zeros(0, dtype=np.uint64)
     blk = _Block.start(B, op, config)
-    finite = np.isfinite(B)
     enough = B.shape[0] >= op.min_valid  # else every pixel is too_few, gaps or not
-    if own_weights is None and (op.sqrtw > 0).all() and finite.all() and enough:
+    # One pass: a NaN or inf anywhere makes the sum non-finite (so may an overflow of
+    # finite values: then the mask decides).
+    finite: np.ndarray | None = None
+    gap_free = bool(np.isfinite(B.sum()))
+    if not gap_free:
+        finite = np.isfinite(B)
+        gap_free = bool(finite.all())
+    if own_weights is None and (op.sqrtw > 0).all() and gap_free and enough:
         # No gaps: every pixel uses the shared operator; no grouping, no copies.
         return _solve_gapless(blk)
+    if finite is None:
+        finite = np.isfinite(B)
     g = _start_gappy(blk, finite, own_weights)
     if own_weights is None:
         _solve_patterns(blk, g, finite, gap_patterns)
