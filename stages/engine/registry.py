@@ -36,6 +36,42 @@ ENTRY_POINT_GROUP = catalog.ENTRY_POINT_GROUP
 SOURCE = "source"
 
 
+class Lazy:
+    """A stage function named ``"package.module:function"``, imported on its first call.
+
+    Declarations of implementations whose code imports torch use these, so that
+    registering them (and a run whose every stage is a cache hit) imports no
+    torch. Its ``__module__`` is the function's module: the stage's code version
+    (``stages/engine/runner.py`` ``code_version``) covers that module's source.
+    """
+
+    def __init__(self, target: str) -> None:
+        module, _, name = target.partition(":")
+        if not module or not name:
+            raise ValueError(f"Lazy target must be 'module:function', got {target!r}")
+        self.target = target
+        self.__module__ = module
+        self.__qualname__ = self.__name__ = name
+        self._fn: Callable[..., Any] | None = None
+
+    def resolve(self) -> Callable[..., Any]:
+        """The function itself (its module imported)."""
+        if self._fn is None:
+            fn: Callable[..., Any] = getattr(
+                importlib.import_module(self.__module__), self.__name__
+            )
+            self._fn = fn
+            return fn
+        return self._fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the function (importing its module the first time)."""
+        return self.resolve()(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Lazy({self.target!r})"
+
+
 @dataclass(frozen=True)
 class StageDecl:
     """Everything the runner needs to know about one stage implementation.
@@ -158,9 +194,9 @@ BUILTIN_MODULES = (
     "gridsolve.stages.load.netcdf",
     "gridsolve.stages.design.builtin",
     "gridsolve.stages.normal_equations.svd",
-    "gridsolve.stages.solve.lstsq",
-    "gridsolve.stages.train.stage",
-    "gridsolve.stages.model.vmapped",
+    "gridsolve.stages.solve.declare",
+    "gridsolve.stages.train.declare",
+    "gridsolve.stages.model.declare",
     "gridsolve.stages.write.netcdf",
     "gridsolve.stages.write.zarr",
 )

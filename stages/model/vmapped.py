@@ -43,21 +43,18 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from gridsolve.schemas.artifacts import Tile
-from gridsolve.schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS, ArraySpec
+from gridsolve.schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS
 from gridsolve.schemas.errors import ConfigError, ContractError, InputError
 from gridsolve.schemas.kinds.model import ModelConfig, ModuleModel, MultidimLinearModel
 from gridsolve.stages.engine.agreement import disagreements
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device, work_share
-from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
+from gridsolve.stages.engine.hashing import canonical_json, hash_text
 from gridsolve.stages.engine.paths import ensure_module_allowed
-from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
 from gridsolve.stages.engine.versions import module_digests
 from gridsolve.stages.load.contract import grid_shape
 from gridsolve.stages.model.multidim_linear import MultidimLinear
-
-VERSION = "2"
 
 
 def _stage(config: ModelConfig) -> str:
@@ -356,29 +353,6 @@ def batched_probe(
 
 
 # ---------------------------------------------------------------- stage
-def fingerprint(config: ModelConfig, ctx: StageContext) -> dict[str, str]:
-    """Digests of the weights file's content and, for a user module, of its package's source.
-
-    The weights by content (a touched or copied file is a hit; the path is not
-    in the key). The user's code is the class's module and every module it
-    imports, transitively, that is local or of its own package, not only the
-    file defining the class.
-    """
-    out: dict[str, str] = {}
-    if config.weights is not None:
-        if not Path(config.weights).is_file():
-            raise InputError(
-                f"weights file not found: {config.weights}",
-                stage=_stage(config),
-                fix="check model.weights",
-            )
-        out["weights"] = file_digest(config.weights)
-    if isinstance(config, ModuleModel):
-        cls = import_target(config.target, _stage(config))
-        out["code"] = user_code_digest(cls, config.target)
-    return out
-
-
 def user_code_digest(cls: type, target: str) -> str:
     """Digest of the source a user's model runs: its module and the local modules it imports."""
     module = cls.__module__
@@ -1019,47 +993,4 @@ def _tile_result(px: _Pixels, out: dict[str, np.ndarray], tile: Tile, kernel: st
             "model_status_counts": counts,
             "kernel": kernel,
         },
-    )
-
-
-#: Contract of every model tile (gradient and Jacobian variables depend on the model).
-TILE_OUTPUTS = {
-    "prediction": ArraySpec(("output", "y", "x"), "f"),
-    "model_status": ArraySpec(("y", "x"), "i"),
-}
-
-
-def pixel_bytes(prepared: Mapping[str, Any]) -> int:
-    """Memory one pixel of a tile holds here: input, outputs, gradients (and Jacobians)."""
-    item = np.dtype(prepared["dtype"]).itemsize
-    n_out = int(prepared["n_out"])
-    n_in = int(np.prod(prepared["input_shape"]))
-    n_par = sum(int(np.prod(s)) for s in prepared["params"].values())
-    wrt = prepared["wrt"]
-    grads = (n_par if wrt in ("params", "both") else 0) + (n_in if wrt in ("input", "both") else 0)
-    jac = n_out if prepared["jacobian"] else 0
-    return int(item * (n_in + n_out + grads * (1 + jac)) + 8 * n_in)
-
-
-for _impl, _cfg, _summary in (
-    ("multidim_linear", MultidimLinearModel, "tensordot(x, weight, 2) + bias, one sample"),
-    ("module", ModuleModel, "any single-sample nn.Module by import path"),
-):
-    register(
-        StageDecl(
-            kind="model",
-            impl=_impl,
-            version=VERSION,
-            config=_cfg,
-            run=run_tile,
-            prepare=prepare,
-            fingerprint=fingerprint,
-            tiled=True,
-            inputs=("load", "design", "solve"),
-            optional_inputs=("train",),
-            outputs=TILE_OUTPUTS,
-            pixel_bytes=pixel_bytes,
-            counts="model_status_counts",
-            summary=_summary,
-        )
     )

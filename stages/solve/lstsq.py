@@ -36,7 +36,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -47,13 +46,11 @@ from gridsolve.schemas.errors import ContractError, NumericalError
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device, work_share
-from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
 from gridsolve.stages.load import patterns
 from gridsolve.stages.load.contract import pixel_name
 from gridsolve.stages.solve import linalg
 
-VERSION = "1"
 STAGE = "solve/lstsq"
 
 #: Above this condition number a float32 solve loses more than ~0.1% (measured
@@ -65,12 +62,6 @@ FLOAT32_MAX_COND = 1e4
 FLOAT32_SAFE_MAX = 2.0**100
 FLOAT32_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
 
-TILE_OUTPUTS = {
-    "coefficients": ArraySpec(("coef", "y", "x"), "f"),
-    "residual_rms": ArraySpec(("y", "x"), "f"),
-    "n_valid": ArraySpec(("y", "x"), "i"),
-    "status": ArraySpec(("y", "x"), "i"),
-}
 #: What ``uncertainty: stderr`` adds per tile (``cov`` adds ``coef_cov (coef, coef2, y, x)``).
 UNCERTAINTY_OUTPUTS = {
     "coef_stderr": ArraySpec(("coef", "y", "x"), "f"),
@@ -1049,29 +1040,3 @@ def run_tile(
     out = solve_block(B, op, config, own_w, ctx.memory_budget, gaps, where)
     out.arrays = {k: v.reshape(*v.shape[:-1], ny, nx) for k, v in out.arrays.items()}
     return out
-
-
-def pixel_bytes(prepared: Mapping[str, Any]) -> int:
-    """Memory one pixel of a tile holds here: its series, mask, weights and results."""
-    n_obs, coef = int(prepared["obs"]), int(prepared["coef"])
-    # uncertainty: float64 moments and the stored results (stderr, t, p; the covariance)
-    extra = {"none": 0, "stderr": 6 * coef + 12, "cov": 6 * coef + 12 + 2 * coef * coef}
-    return n_obs * (8 + 8 + 1) + 8 * (coef + 2) + 8 * extra[prepared.get("uncertainty", "none")]
-
-
-register(
-    StageDecl(
-        kind="solve",
-        impl="lstsq",
-        version=VERSION,
-        config=LstsqSolve,
-        run=run_tile,
-        prepare=prepare,
-        tiled=True,
-        inputs=("load", "design", "normal_equations"),
-        outputs=TILE_OUTPUTS,
-        pixel_bytes=pixel_bytes,
-        counts="status_counts",
-        summary="least squares per pixel: shared operator, gap patterns, per-pixel Cholesky",
-    )
-)

@@ -39,17 +39,15 @@ import torch
 from gridsolve.schemas.contracts import STATUS_CODES
 from gridsolve.schemas.errors import ContractError
 from gridsolve.schemas.kinds.model import ModelConfig
-from gridsolve.schemas.kinds.train import AdamTrain, GradientTrain, NoTrain, SGDTrain
+from gridsolve.schemas.kinds.train import GradientTrain
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, work_share
 from gridsolve.stages.engine.hashing import hash_text
-from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
 from gridsolve.stages.load.contract import grid_shape
 from gridsolve.stages.model import vmapped
 from gridsolve.stages.train import dpsgd
 
-VERSION = "1"
 #: Bytes of dataset rows read into memory at most; larger datasets are streamed.
 ROW_BUDGET = 256 * 2**20
 
@@ -370,43 +368,3 @@ def run(config: GradientTrain, inputs: Mapping[str, Any], ctx: StageContext) -> 
         "params": {k: list(v.shape) for k, v in result.params.items()},
     }
     return StageOutput(arrays=arrays, meta=meta)
-
-
-def run_none(config: NoTrain, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
-    """No training: never run, since a ``none`` train is left out of the plan."""
-    raise ContractError(
-        "train impl 'none' does not run", stage="train/none", fix="leave it to the plan"
-    )
-
-
-register(
-    StageDecl(
-        kind="train",
-        impl="none",
-        version=VERSION,
-        config=NoTrain,
-        run=run_none,
-        summary="no training: the model's weights as given (left out of the plan)",
-    )
-)
-for _impl, _cfg, _summary in (
-    ("sgd", SGDTrain, "minibatch SGD with per-sample clipping, optionally DP-SGD"),
-    ("adam", AdamTrain, "Adam with per-sample clipping, optionally DP noise"),
-):
-    register(
-        StageDecl(
-            kind="train",
-            impl=_impl,
-            version=VERSION,
-            config=_cfg,
-            run=run,
-            inputs=("load", "solve"),
-            peers=("model",),
-            summary=_summary,
-            describe=lambda meta: (
-                f"{meta['epochs_run']} epoch(s), {meta['steps']} steps, "
-                f"{meta['counts'].get('train_pixels', 0)} training pixels, "
-                f"last loss {meta['history'][-1]['train_loss'] if meta['history'] else None}"
-            ),
-        )
-    )

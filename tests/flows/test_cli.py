@@ -147,6 +147,24 @@ def test_demo_then_rerun_hits_the_cache(tmp_path: Path) -> None:
         and line.split()[0] in ("load", "design", "normal_equations", "solve", "model", "write")
     ]
     assert len(rows) == 6 and all(r[3] == "hit" for r in rows), again.stdout
+    # A rerun whose every stage is a hit imports no torch (the stages' code loads lazily)
+    # and leaves the quick look as it was drawn.
+    picture = Path(f"{out}.quicklook.png")
+    drawn = picture.stat().st_mtime_ns
+    probe = (
+        "import sys\n"
+        "from gridsolve.flows.cli import main\n"
+        "rc = main(sys.argv[1:])\n"
+        "print('exit', rc, 'torch' in sys.modules)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", probe, "run", str(tmp_path / "demo" / "gridsolve.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.stdout.strip().splitlines()[-1] == "exit 0 False", res.stdout + res.stderr[-3000:]
+    assert picture.stat().st_mtime_ns == drawn
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,28 +92,27 @@ def _run_copy(
     return out
 
 
+SOLVE_CALL = "    out = solve_block(B, op, config, own_w, ctx.memory_budget, gaps, where)\n"
+
+
+def _doubled(lstsq_source: str) -> str:
+    """``stages/solve/lstsq.py`` edited so that its tiles' coefficients come out doubled."""
+    assert lstsq_source.count(SOLVE_CALL) == 1
+    return lstsq_source.replace(
+        SOLVE_CALL, SOLVE_CALL + '    out.arrays["coefficients"] = out.arrays["coefficients"] * 2\n'
+    )
+
+
 def test_editing_a_stage_source_misses_and_recomputes(tmp_path: Path) -> None:
     cube = tmp_path / "cube.nc"
     make_ds(n_obs=10, ny=3, nx=4).to_netcdf(cube)
     store = tmp_path / "store"
     original = _copy_package(tmp_path / "original")
     edited = _copy_package(tmp_path / "edited")
-    # Edit the copy's solve stage: coefficients come out doubled.
+    # Edit the copy's solve implementation (which its declaration imports only when a
+    # solve runs): coefficients come out doubled.
     solve = edited / "gridsolve" / "stages" / "solve" / "lstsq.py"
-    text = solve.read_text()
-    assert text.count("        run=run_tile,\n") == 1
-    doubled = textwrap.dedent(
-        """
-        def _doubled(*args, **kwargs):
-            out = run_tile(*args, **kwargs)
-            out.arrays["coefficients"] = out.arrays["coefficients"] * 2
-            return out
-
-
-        """
-    )
-    text = text.replace("        run=run_tile,\n", "        run=_doubled,\n")
-    solve.write_text(text.replace("\nregister(\n", "\n" + doubled + "register(\n", 1))
+    solve.write_text(_doubled(solve.read_text()))
 
     first = _run_copy(original, cube, store)
     assert not any(first["hits"].values()), first["hits"]
@@ -153,18 +151,9 @@ def test_an_edit_in_place_misses_though_digests_are_remembered_between_processes
     assert all(again["hits"].values()) and again["coefficients"] == first["coefficients"]
     inode = solve.stat().st_ino
     with open(solve, "r+") as f:  # the same file (inode), edited: doubled coefficients
-        text = f.read().replace("        run=run_tile,\n", "        run=_doubled,\n")
+        text = _doubled(f.read())
         f.seek(0)
-        f.write(
-            text.replace(
-                "\nregister(\n",
-                "\ndef _doubled(*args, **kwargs):\n"
-                "    out = run_tile(*args, **kwargs)\n"
-                '    out.arrays["coefficients"] = out.arrays["coefficients"] * 2\n'
-                "    return out\n\n\nregister(\n",
-                1,
-            )
-        )
+        f.write(text)
     assert solve.stat().st_ino == inode
     edited = _run_copy(copy, cube, store, home)
     assert not edited["hits"]["solve"] and edited["hits"]["load"]
