@@ -11,14 +11,17 @@ the solve status counts of the whole file.
 A cube with more batch dims than y and x is shown at their first index.
 
 A picture is not redrawn for an output file it was already drawn from (same
-file: size, mtime, inode; same deployment and config keys): a fully cached
-rerun reuses it, and its caption names the run that drew it. matplotlib is
+file: size, mtime, inode; same deployment and config keys; same drawing code
+and matplotlib): a fully cached rerun reuses it, and its caption names the run
+that drew it. matplotlib is
 imported only to draw.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import importlib.metadata
 import io
 import json
 import os
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
+import xxhash
 from pydantic import BaseModel
 
 if TYPE_CHECKING:
@@ -537,12 +541,10 @@ def loss_curve_png(output: str | Path, options: Mapping[str, Any] | None = None)
         epoch = ds["epoch"].values
         train = ds["train_loss"].values
         val = ds["val_loss"].values
-    import matplotlib
+    from matplotlib.figure import Figure  # not pyplot: no backend switch, nothing global
 
-    matplotlib.use("Agg")  # headless: no display on workers
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.4), dpi=80, constrained_layout=True)
+    fig = Figure(figsize=(5, 3.4), dpi=80, layout="constrained")
+    ax = fig.subplots()
     ax.plot(epoch, train, marker="o", label="training")
     if np.isfinite(val).any():
         ax.plot(epoch, val, marker="s", label="validation")
@@ -553,7 +555,6 @@ def loss_curve_png(output: str | Path, options: Mapping[str, Any] | None = None)
     ax.legend()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    plt.close(fig)
     return buf.getvalue()
 
 
@@ -587,7 +588,14 @@ def drawn_from(output: str | Path, caption: Caption | None) -> str | None:
     except OSError:
         return None
     said = (caption.deployment, caption.config) if caption is not None else None
-    return json.dumps([str(output), st.st_size, st.st_mtime_ns, st.st_ino, said])
+    return json.dumps([str(output), st.st_size, st.st_mtime_ns, st.st_ino, said, _drawing()])
+
+
+@functools.cache
+def _drawing() -> str:
+    """What draws the picture: this module's source and matplotlib's version."""
+    source = xxhash.xxh3_64_hexdigest(Path(__file__).read_bytes())
+    return f"{source}/matplotlib {importlib.metadata.version('matplotlib')}"
 
 
 def png_text(png: bytes) -> dict[str, str]:
@@ -645,8 +653,8 @@ def markdown(
     """Markdown showing the picture inline, with where the file and the picture are."""
     data = base64.b64encode(png).decode("ascii")
     note = (
-        "  \nThe output file is the one an earlier run wrote (every stage a cache hit): "
-        "its picture, drawn by that run, is shown."
+        "  \nThe output file is unchanged since this picture was drawn "
+        "(by the run named in its caption)."
         if reused
         else ""
     )

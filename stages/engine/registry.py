@@ -143,6 +143,7 @@ _LOCK = threading.RLock()
 
 def register(decl: StageDecl, *, replace: bool = False) -> StageDecl:
     """Add an implementation; its config's ``impl`` default must equal ``decl.impl``."""
+    load_builtins()
     if decl.kind not in _REGISTRY:
         raise ConfigError(
             f"cannot register {decl.impl!r}: unknown stage kind {decl.kind!r}",
@@ -201,19 +202,28 @@ BUILTIN_MODULES = (
     "gridsolve.stages.write.zarr",
 )
 _builtins_loaded = False
+_builtins_loading = False
 
 
 def load_builtins() -> None:
-    """Import the built-in implementations once (they register themselves)."""
-    global _builtins_loaded
+    """Import the built-in implementations once (they register themselves).
+
+    Before any other registration (:func:`register` calls this first), so that a
+    plugin registering over a built-in with ``replace=True`` always comes second.
+    A failed import leaves them unloaded: the next use tries again and fails the
+    same way, rather than running with part of the registry.
+    """
+    global _builtins_loaded, _builtins_loading
     with _LOCK:
-        if _builtins_loaded:
-            return
-        # Set first: a built-in module that consults the registry while it is being
-        # imported must not re-enter this loop.
-        _builtins_loaded = True
-        for name in BUILTIN_MODULES:
-            importlib.import_module(name)
+        if _builtins_loaded or _builtins_loading:
+            return  # loaded, or a built-in module registering while being imported
+        _builtins_loading = True
+        try:
+            for name in BUILTIN_MODULES:
+                importlib.import_module(name)
+            _builtins_loaded = True
+        finally:
+            _builtins_loading = False
 
 
 def _load_entry_points() -> None:

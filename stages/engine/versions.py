@@ -19,8 +19,8 @@ that can change numbers (:data:`NUMERIC_PACKAGES`).
 The digest is of the files on disk, re-read when their size or mtime change;
 a long-running process (a Dask worker) whose files were edited under it runs
 its old code, so restart workers after changing code. Parsed files are also
-remembered on disk (:func:`memo_file`, by path, size, mtime and inode, per
-Python version), so a new process does not parse every module again.
+remembered on disk by their content (:func:`memo_file`), so a new process
+reads each module but does not parse it again.
 """
 
 from __future__ import annotations
@@ -36,10 +36,13 @@ import site
 import sys
 import sysconfig
 import threading
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from gridsolve.stages.engine.hashing import canonical_json, hash_text
 
@@ -86,59 +89,78 @@ class _Parsed:
 
 _PARSED: dict[tuple[str, int, int, int], _Parsed] = {}
 _LOCK = threading.Lock()
-#: entries of the memo file read in this process (None: not read yet) and whether any is new
+#: the memo file's entries read in this process (None: not read yet), the keys this
+#: process used, and whether it added any
 _DISK: dict[str, list[Any]] | None = None
+_USED: set[str] = set()
 _DISK_NEW = False
-#: bumped when what a digest covers changes, so older memo files are not read
-_MEMO_FORMAT = 1
+#: entries kept at most; beyond that only those this process used are written back
+MEMO_MAX_ENTRIES = 4000
 
 
-def memo_file() -> Path:
-    """Where parsed digests are remembered between processes (per Python version)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+@functools.cache
+def memo_file() -> Path | None:
+    """Where parsed digests are remembered between processes; None: nowhere (no home).
+
+    One file per Python version (``ast`` output differs between versions) and per
+    version of this module (the digest's definition), under ``$XDG_CACHE_HOME``
+    or ``~/.cache``. Entries are keyed by the source's content, so an edit can
+    never meet a stale entry; deleting the file only costs the next run a parse.
+    """
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # the XDG spec: a relative value is ignored
+        home = os.path.expanduser("~")
+        if not os.path.isabs(home):
+            return None
+        base = os.path.join(home, ".cache")
     v = sys.version_info
-    return Path(base) / "gridsolve" / f"code-digests-py{v[0]}{v[1]}-v{_MEMO_FORMAT}.json"
+    this = xxhash.xxh3_64_hexdigest(Path(__file__).read_bytes())
+    return Path(base) / "gridsolve" / f"code-digests-py{v[0]}{v[1]}-{this}.json"
+
+
+def _valid_entry(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and isinstance(value[1], list)
+        and all(isinstance(i, str) for i in value[1])
+    )
 
 
 def _disk() -> dict[str, list[Any]]:
     global _DISK
     if _DISK is None:
+        _DISK = {}
+        path = memo_file()
         try:
-            loaded = json.loads(memo_file().read_text())
-            _DISK = loaded if isinstance(loaded, dict) else {}
+            loaded = json.loads(path.read_text()) if path is not None else {}
         except (OSError, ValueError):
-            _DISK = {}
+            loaded = {}
+        if isinstance(loaded, dict):
+            _DISK = {k: v for k, v in loaded.items() if _valid_entry(v)}
     return _DISK
-
-
-def _current(disk_key: str) -> bool:
-    """Whether a memo entry still describes its file as it is on disk."""
-    path, _, size, mtime, ino = disk_key.rsplit("|", 4)
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return (str(st.st_size), str(st.st_mtime_ns), str(st.st_ino)) == (size, mtime, ino)
 
 
 def save_memo() -> None:
     """Write this process's new digests to :func:`memo_file` (atomically; best effort)."""
-    global _DISK_NEW
+    global _DISK, _DISK_NEW
     with _LOCK:
         if not _DISK_NEW or _DISK is None:
             return
+        _DISK_NEW = False  # once: a read-only home is not retried on every digest
         path = memo_file()
-        # Entries of files since edited or removed are dropped: the memo stays small.
-        for key in [k for k in _DISK if not _current(k)]:
-            del _DISK[key]
+        if path is None:
+            return
+        if len(_DISK) > MEMO_MAX_ENTRIES:
+            _DISK = {k: v for k, v in _DISK.items() if k in _USED}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
             tmp.write_text(json.dumps(_DISK))
             os.replace(tmp, path)  # concurrent writers: the last one's memo is kept, whole
-        except OSError:
-            return  # a read-only home: digests are computed again next time
-        _DISK_NEW = False
+        except (OSError, ValueError, TypeError):
+            return  # digests are computed again next time
 
 
 class _StripDocstrings(ast.NodeTransformer):
@@ -197,15 +219,18 @@ def _parse(path: str, package: str) -> _Parsed:
     global _DISK_NEW
     st = os.stat(path)
     memo = (path, st.st_size, st.st_mtime_ns, st.st_ino)
-    disk_key = f"{path}|{package}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
     with _LOCK:
         if memo in _PARSED:
             return _PARSED[memo]
-        known = _disk().get(disk_key)
-        if isinstance(known, list) and len(known) == 2:
-            _PARSED[memo] = _Parsed(digest=str(known[0]), imports=tuple(known[1]))
-            return _PARSED[memo]
     source = Path(path).read_bytes()
+    # Across processes by content (relative imports resolve against the package).
+    disk_key = f"{package}|{xxhash.xxh3_128_hexdigest(source)}"
+    with _LOCK:
+        known = _disk().get(disk_key)
+        if known is not None:
+            _USED.add(disk_key)
+            _PARSED[memo] = _Parsed(digest=known[0], imports=tuple(known[1]))
+            return _PARSED[memo]
     try:
         tree = ast.parse(source, filename=path)
     except (SyntaxError, ValueError):
@@ -217,6 +242,7 @@ def _parse(path: str, package: str) -> _Parsed:
     with _LOCK:
         _PARSED[memo] = parsed
         _disk()[disk_key] = [parsed.digest, list(parsed.imports)]
+        _USED.add(disk_key)
         _DISK_NEW = True
     return parsed
 

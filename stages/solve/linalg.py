@@ -386,11 +386,11 @@ SCHUR_MAX_COND = 1e8
 def gapwise_dual(
     A: torch.Tensor, pol: Policy, spread: bool, zero_one_weights: bool
 ) -> torch.Tensor | None:
-    """``H = (AAᵀ + λI)⁻¹`` when the per-pixel path solves by gaps (:func:`_dual_schur`), else None.
+    """``H = (AAᵀ + λI)⁻¹`` where the per-pixel path solves by gaps (:func:`_dual_schur`).
 
     It does for the dual form (coef > obs, not ``cholesky``) without a spread
     (uncertainty needs the per-pixel factor), with 0/1 weights or no ridge, when
-    ``AAᵀ + λI`` is well conditioned (:data:`SCHUR_MAX_COND`).
+    ``AAᵀ + λI`` is well conditioned (:data:`SCHUR_MAX_COND`); None otherwise.
     """
     obs, coef = A.shape
     lam = pol.ridge if pol.policy == "ridge" else 0.0
@@ -420,13 +420,12 @@ def _dual_schur(
     only a k × k factorisation, k = its gap count (the per-pixel dual factors
     obs × obs), and ``α = H b − H E_m H_mm⁻¹ (H b)_m`` vanishes on m by
     construction. Pixels are sorted by k and each k factored as one group (no
-    padding); refined twice with the true residual like the other per-pixel
-    paths. Valid for 0/1 weights, or any weights without ridge (a minimum-norm
+    padding); refined (at most :data:`REFINE_STEPS` times) on the coefficients'
+    residual as :func:`_dual` is; a pixel that does not converge goes to the SVD
+    path. Valid for 0/1 weights, or any weights without ridge (a minimum-norm
     fit of full row rank interpolates, so the weights do not change it); the
     caller checks that. Inactive pixels are not solved (their result is junk).
     """
-    M = A @ A.T
-    M.diagonal().add_(lam)
     ones = torch.ones((1, A.shape[0]), dtype=A.dtype, device=A.device)
     k_of = A.shape[0] - colmm(ones, valid.to(A.dtype))[0].round().to(torch.int64)
     if active is not None:
@@ -434,10 +433,12 @@ def _dual_schur(
     order = torch.argsort(k_of, stable=True)
     ks, counts = torch.unique_consecutive(k_of[order], return_counts=True)
     # Everything below works on the pixels sorted by k: each group is a slice (a view).
-    B0s = B0[:, order]
     on = valid[:, order].to(A.dtype)
     if active is not None:
         on[:, k_of[order] == 0] = 1.0  # inactive pixels: solved as if gap-free, dropped later
+    # Only valid rows' data: H is applied to all rows (an inf, or data under weight 0,
+    # elsewhere would spoil the first iterate).
+    B0s = B0[:, order] * on
     # the gap rows of every pixel, pixel after pixel, ascending within a pixel
     gap_rows = torch.nonzero(on.T == 0)[:, 1]
     ok = torch.ones(B0.shape[1], dtype=torch.bool, device=A.device)
@@ -461,17 +462,22 @@ def _dual_schur(
             Z[:, a:b].scatter_(0, rows, y)
         return (u - colmm(H, Z)).mul_(on)
 
-    # Refined on the dual system itself (residual b − Mα on the valid rows, one
-    # product with the shared M), and judged on α: c = Aᵀα is formed once, at the end.
+    # Refined as _dual is, on c's residual b − Ac − λα (not on b − Mα with M = AAᵀ
+    # formed, whose error grows with cond(A)²), and judged on c.
     alpha = apply(B0s)
+    x = colmm(A.T, alpha)
     conv = ok
     for _ in range(REFINE_STEPS):
-        da = apply((B0s - colmm(M, alpha)).mul_(on))
+        r = (B0s - colmm(A, x)).mul_(on)
+        if lam:
+            r -= lam * alpha
+        da = apply(r)
         alpha += da
-        conv = ok & _converged(da, alpha)
+        dx = colmm(A.T, da)
+        x += dx
+        conv = ok & _converged(dx, x)
         if bool(conv.eq(ok).all()):
             break
-    x = colmm(A.T, alpha)
     out = torch.empty_like(x)
     out[:, order] = x
     good = torch.empty_like(conv)

@@ -251,11 +251,11 @@ def _uncertainty_variables(solve: TiledArtifact, y: str, x: str) -> list[dict[st
 
     A table of CF attributes per variable, hence its length.
     """
-    from gridsolve.stages.solve.lstsq import UNCERTAINTY_FLAGS, p_values
-
     first = solve.tiles[0][1] if solve.tiles else None
     if first is None or "coef_stderr" not in first:
         return []
+    from gridsolve.stages.solve.lstsq import UNCERTAINTY_FLAGS, p_values  # imports torch
+
     scaled = solve.meta.get("cov_scale", "residual") == "residual"
     how = (
         "scaled by the residual variance sum(w*r^2)/dof"

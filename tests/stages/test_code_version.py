@@ -146,7 +146,7 @@ def test_an_edit_in_place_misses_though_digests_are_remembered_between_processes
     memo = list((home / "gridsolve").glob("code-digests-*.json"))
     assert len(memo) == 1
     solve = copy / "gridsolve" / "stages" / "solve" / "lstsq.py"
-    assert any(k.startswith(f"{solve}|") for k in json.loads(memo[0].read_text()))
+    assert any(k.startswith("gridsolve.stages.solve|") for k in json.loads(memo[0].read_text()))
     again = _run_copy(copy, cube, store, home)
     assert all(again["hits"].values()) and again["coefficients"] == first["coefficients"]
     inode = solve.stat().st_ino
@@ -158,6 +158,23 @@ def test_an_edit_in_place_misses_though_digests_are_remembered_between_processes
     edited = _run_copy(copy, cube, store, home)
     assert not edited["hits"]["solve"] and edited["hits"]["load"]
     assert edited["coefficients"] != first["coefficients"]
+    # the same size, the same inode and the mtime put back (cp -p, rsync): still a miss
+    before = solve.stat()
+    tripled = solve.read_text().replace('"coefficients"] * 2\n', '"coefficients"] * 3\n')
+    with open(solve, "r+") as f:
+        f.write(tripled)
+    os.utime(solve, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = solve.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+        before.st_size,
+        before.st_mtime_ns,
+        before.st_ino,
+    )
+    third = _run_copy(copy, cube, store, home)
+    assert not third["hits"]["solve"]
+    assert third["coefficients"] == [
+        [[1.5 * v for v in row] for row in c] for c in edited["coefficients"]
+    ]
 
 
 def test_comments_and_docstrings_do_not_change_the_code_version(tmp_path: Path) -> None:

@@ -78,3 +78,24 @@ def test_unknown_impl_lists_registered_ones() -> None:
     with pytest.raises(ConfigError) as err:
         registry.get("solve", "lsqr")
     assert "lstsq" in str(err.value) and "Did you mean 'lstsq'?" in str(err.value)
+
+
+def test_a_plugin_replacing_a_built_in_before_first_use_wins(tmp_path: Path) -> None:
+    """In a fresh process a plugin may register before any built-in has: it still wins."""
+    import subprocess
+
+    script = tmp_path / "plugin_first.py"
+    script.write_text(
+        "import sys\n"
+        "from gridsolve.stages.engine import registry\n"
+        "from gridsolve.schemas.kinds.solve import LstsqSolve\n"
+        "def mine(*a, **k):\n"
+        "    return None\n"
+        "registry.register(registry.StageDecl(kind='solve', impl='lstsq', version='mine',\n"
+        "    config=LstsqSolve, run=mine, prepare=mine, tiled=True), replace=True)\n"
+        "print(registry.get('solve', 'lstsq').version,\n"
+        "      sorted(registry.implementations('write')), 'torch' in sys.modules)\n"
+    )
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split("\n")[-2] == "mine ['netcdf', 'zarr'] False", res.stdout
