@@ -169,6 +169,23 @@ def case_floor(root: Path, budget: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+#: A flow run of one no-op task after the same imports: what Prefect itself costs.
+BARE_FLOW = """
+import prefect, torch, xarray
+from prefect import flow, task
+
+@task
+def one():
+    return 1
+
+@flow
+def bare():
+    return one()
+
+bare()
+"""
+
+
 def _wall(cmd: list[str], env: dict[str, str] | None = None) -> float:
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, env=env)
@@ -201,10 +218,13 @@ def case_overhead(root: Path, budget: str, repeats: int = 5) -> None:
     run_child(cfg)  # fills the cache
     imports = [sys.executable, "-c", "import prefect, torch, xarray"]
     rerun = [GRIDSOLVE, "run", str(cfg)]
-    # side by side: each repeat times both, so load on the machine hits both alike
-    pairs = [(_wall(imports), _wall(rerun)) for _ in range(repeats)]
-    imp = statistics.median(a for a, _ in pairs)
-    cached = statistics.median(b for _, b in pairs)
+    # Prefect's own share: the same imports and one flow run of one no-op task
+    bare = [sys.executable, "-c", BARE_FLOW]
+    # side by side: each repeat times all three, so load on the machine hits them alike
+    runs = [(_wall(imports), _wall(rerun), _wall(bare)) for _ in range(repeats)]
+    imp = statistics.median(r[0] for r in runs)
+    cached = statistics.median(r[1] for r in runs)
+    bare_s = statistics.median(r[2] for r in runs)
 
     repo = Path(__file__).resolve().parent.parent
     subprocess.run([GRIDSOLVE, "deploy", "--project", str(repo)], check=True, capture_output=True)
@@ -229,6 +249,7 @@ def case_overhead(root: Path, budget: str, repeats: int = 5) -> None:
         worker.wait(timeout=30)
     print("\n## overhead: seed cube, every stage cached, Prefect server up")
     print(f"  python -c 'import prefect, torch, xarray'   {imp:6.2f} s")
+    print(f"  the same + a bare Prefect flow, one task    {bare_s:6.2f} s  (Prefect's own)")
     print(f"  gridsolve run (cached)                      {cached:6.2f} s")
     print(f"  on-demand via worker, trigger → Completed   {triggered:6.2f} s")
     beyond = cached - imp

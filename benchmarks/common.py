@@ -7,6 +7,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,10 +26,26 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> 
     return statistics.median(times)
 
 
+def cpu_model() -> str:
+    """The CPU's model name and widest vector unit (Linux), or the platform's processor."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    name = next(
+        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
+        "unknown CPU",
+    )
+    flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name} ({simd})"
+
+
 def machine() -> str:
     """One line about where the numbers come from."""
     return (
-        f"{platform.machine()} · {os.cpu_count()} CPUs · torch {torch.__version__} "
+        f"{platform.machine()} · {cpu_model()} · {os.cpu_count()} CPUs · "
+        f"torch {torch.__version__} "
         f"({torch.get_num_threads()} threads) · numpy {np.__version__} · "
         f"cuda {'yes: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no'}"
     )

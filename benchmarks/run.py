@@ -80,7 +80,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{bench:<10}{figure:<{width + 2}}{target:<14}{verdict}")
     met = sum(r[3] == "met" for r in rows)
     print(f"{met} of {len(rows)} targets met; full outputs in {out}/")
+    (out / "summary.md").write_text(markdown(rows, names, machine()))
+    print(f"markdown table for the README: {out / 'summary.md'}")
     return 1 if failed else 0
+
+
+def markdown(rows: list[tuple[str, str, str, str]], names: list[str], where: str) -> str:
+    """The table of targets as the README's performance section shows it."""
+    lines = [
+        f"`python benchmarks/run.py {' '.join(names)}` on {where}, {time.strftime('%Y-%m-%d')}:",
+        "",
+        "| benchmark | figure | target | verdict |",
+        "| --- | --- | --- | --- |",
+    ]
+    for bench, figure, target, verdict in rows:
+        cell = figure.replace("|", "\\|")
+        lines.append(f"| {bench} | {cell} | {target} | {verdict} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
