@@ -7,7 +7,7 @@ shared  — the original problem: 50 obs × 500 × 500 float32, a 50×100 random
           Targets: ≥ 1000× faster than the loop; ≤ 3× the floor.
 masked  — 50 × 500 × 500 with 20% NaN, polynomial degree 9 (coef 10), float64:
           xarray DataArray.polyfit(skipna=True) vs gridsolve's masked stages vs the floor.
-          Target: ≥ 30× faster than xarray, float64 accuracy kept. Then coef 100 > obs 50
+          Target: ≥ 50× faster than xarray, float64 accuracy kept. Then coef 100 > obs 50
           with gaps (minimum norm per pixel), with where the time goes.
 
 Usage: python benchmarks/bench_solve.py [--case shared|masked|all] [--size N] [--repeats R]
@@ -155,6 +155,7 @@ def _profile(fn: Any) -> dict[str, float]:
     wanted = {
         "_primal": "per-pixel normal equations (primal, total)",
         "_dual": "per-pixel dual system (total)",
+        "_dual_schur": "per-pixel dual by gaps (total)",
         "colmm": "matrix products (forming AᵀWA / AAᵀ, residuals)",
         "batched_cholesky": "vectorised Cholesky",
         "cholesky_solve": "triangular solves (incl. refinement)",
@@ -240,7 +241,7 @@ def case_masked(n: int, repeats: int, xr_repeats: int) -> None:
     print(f"stderr / without = {ratio:.2f}× (target ≤ 1.3×: {verdict(ratio <= 1.3)})")
     speed = xr_s / stage_s
     print(
-        f"xarray / gridsolve = {speed:.1f}× (target ≥ 30×: {'met' if speed >= 30 else 'NOT met'})"
+        f"xarray / gridsolve = {speed:.1f}× (target ≥ 50×: {'met' if speed >= 50 else 'NOT met'})"
     )
     prof = _profile(lambda: stages_once(A, B, config, gaps))
     print(
@@ -248,11 +249,10 @@ def case_masked(n: int, repeats: int, xr_repeats: int) -> None:
         + "; ".join(f"{k} {v:.2f}" for k, v in prof.items())
     )
 
-    # coef 100 > obs 50 with gaps: minimum norm per pixel (dual form, obs×obs systems).
+    # coef 100 > obs 50 with gaps: minimum norm per pixel (dual form, by each pixel's gaps).
     A100 = rng.standard_normal((n_obs, 100))
-    t0 = time.perf_counter()
+    s100 = median_seconds(lambda: stages_once(A100, B, config, gaps), max(1, repeats // 2))
     _, out100 = stages_once(A100, B, config, gaps)
-    s100 = time.perf_counter() - t0
     C = out100.arrays["coefficients"]
     rel100 = 0.0
     for p in pick[:100]:
@@ -270,6 +270,7 @@ def case_masked(n: int, repeats: int, xr_repeats: int) -> None:
         "where the time goes (cProfile, cumulative s): "
         + "; ".join(f"{k} {v:.2f}" for k, v in prof.items())
     )
+    print(f"masked coef > obs = {s100:.2f} s (target ≤ 1 s: {'met' if s100 <= 1 else 'NOT met'})")
 
 
 def main() -> None:

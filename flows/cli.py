@@ -467,6 +467,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gridsolve`` command."""
     args = _parser().parse_args(argv)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if os.environ.get("PREFECT_API_URL") == "":
+        # Set but empty (`PREFECT_API_URL= gridsolve …`) means unset, as for the user;
+        # Prefect would start its temporary server and then fail to send it events.
+        del os.environ["PREFECT_API_URL"]
     if not args.debug:
         logging.getLogger("gridsolve").setLevel(logging.WARNING)
     try:

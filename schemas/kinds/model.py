@@ -49,7 +49,7 @@ class ModelConfig(StageConfig):
     )
     compile: Literal["auto", "always", "never"] = speed_field(
         "auto",
-        "torch.compile the per-pixel function: auto (when the grid has at least four million "
+        "torch.compile the per-pixel function: auto (when the grid has at least 20 million "
         "pixels, where compiling pays), always, or never. A compiled function is checked "
         "against the eager one on the first pixels of each process within the agreement "
         "bound, and any compile failure or disagreement falls back to eager.",

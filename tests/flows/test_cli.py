@@ -126,6 +126,16 @@ def test_missing_input_fails_cleanly_without_output(tmp_path: Path) -> None:
     assert not (tmp_path / "out.nc").exists()
 
 
+def test_an_empty_prefect_api_url_counts_as_unset(tmp_path: Path) -> None:
+    """`PREFECT_API_URL= gridsolve run …`: Prefect's temporary server, and no event errors."""
+    cube = tmp_path / "cube.nc"
+    make_ds(n_obs=12, ny=4, nx=5).to_netcdf(cube)
+    res = gridsolve("run", str(write_config(tmp_path, cube)), PREFECT_API_URL="")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "ERROR" not in res.stderr, res.stderr[-3000:]
+    assert (tmp_path / "out.nc").is_file()
+
+
 def test_bad_override_syntax(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, tmp_path / "cube.nc")
     assert_clean_failure(gridsolve("run", str(cfg), "--set", "solve.ridge"), "key=value")
