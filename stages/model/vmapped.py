@@ -609,9 +609,7 @@ def make_kernel(module: nn.Module, config: ModelConfig, shape: tuple[int, ...]) 
 #: 10×10×4 model (bench_model.py, 2 cores): compiling costs ≈ 6-9 s per process with
 #: inductor's disk cache warm (≈ 20 s cold) and saves ≈ 0.3 µs per pixel over eager
 #: (0.31 s vs 0.39 s for 250,000 pixels), so it pays there only beyond ≈ 20M pixels;
-#: models whose eager backward is heavier pay sooner (set ``compile: always``). It also
-#: costs memory outside the budget: the 2000 × 2000 seed pipeline peaked at 3.5 GB
-#: compiled vs 1.25 GB eager (bench_pipeline.py memory, /usr/bin/time -v). A pixel
+#: models whose eager backward is heavier pay sooner (set ``compile: always``). A pixel
 #: count, not a timing, so the choice (and the output's bits) is the same on every run.
 COMPILE_MIN_PIXELS = 20_000_000
 
