@@ -32,6 +32,28 @@ def gridsolve(
     )
 
 
+#: `gridsolve ARGS` in this interpreter's main(), its own output swallowed; then its exit
+#: code and which of torch and Prefect it imported.
+IMPORT_PROBE = (
+    "import sys, io, contextlib\n"
+    "from gridsolve.flows.cli import main\n"
+    "with contextlib.redirect_stdout(io.StringIO()):\n"
+    "    rc = main(sys.argv[1:])\n"
+    "heavy = sorted(m for m in ('torch', 'prefect') if m in sys.modules)\n"
+    "print(rc, ','.join(heavy) or '-')\n"
+)
+
+
+def cli_imports(*args: str) -> str:
+    """``"<exit code> <heavy modules imported, or ->"`` of `gridsolve ARGS` in a fresh process."""
+    res = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE, *args], capture_output=True, text=True, timeout=600
+    )
+    lines = res.stdout.strip().splitlines()
+    assert lines, res.stderr[-3000:]
+    return lines[-1]
+
+
 def write_config(tmp_path: Path, cube: Path, **extra: Any) -> Path:
     raw = {
         "load": {"path": str(cube)},
@@ -83,20 +105,12 @@ def test_validate_good_and_bad(tmp_path: Path) -> None:
 
 
 def test_reading_commands_import_neither_torch_nor_prefect(tmp_path: Path) -> None:
-    """`schema`, `validate` and `stages`' config side are cheap: no torch, no Prefect."""
+    """`schema` and `validate` are cheap: they import neither torch nor Prefect."""
     cube = tmp_path / "cube.nc"
     make_ds().to_netcdf(cube)
     plain = write_config(tmp_path, cube).rename(tmp_path / "plain.yaml")
     cfg = write_config(
         tmp_path, cube, model={"impl": "module", "target": "torch.nn:Identity", "input_shape": [4]}
-    )
-    probe = (
-        "import sys, io, contextlib\n"
-        "from gridsolve.flows.cli import main\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    rc = main(sys.argv[1:])\n"
-        "heavy = sorted(m for m in ('torch', 'prefect') if m in sys.modules)\n"
-        "print(rc, ','.join(heavy) or '-')\n"
     )
     for args, expect in (
         (["schema"], "0 -"),
@@ -104,10 +118,7 @@ def test_reading_commands_import_neither_torch_nor_prefect(tmp_path: Path) -> No
         # a config that names a model class imports that class's module, as it must
         (["validate", str(cfg)], "0 torch"),
     ):
-        res = subprocess.run(
-            [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=300
-        )
-        assert res.stdout.strip().splitlines()[-1] == expect, (args, res.stdout, res.stderr)
+        assert cli_imports(*args) == expect, args
     bad = write_config(
         tmp_path, cube, model={"impl": "module", "target": "nosuch.mod:X", "input_shape": [4]}
     )
@@ -161,19 +172,7 @@ def test_demo_then_rerun_hits_the_cache(tmp_path: Path) -> None:
     # and leaves the quick look as it was drawn.
     picture = Path(f"{out}.quicklook.png")
     drawn = picture.stat().st_mtime_ns
-    probe = (
-        "import sys\n"
-        "from gridsolve.flows.cli import main\n"
-        "rc = main(sys.argv[1:])\n"
-        "print('exit', rc, 'torch' in sys.modules)\n"
-    )
-    res = subprocess.run(
-        [sys.executable, "-c", probe, "run", str(tmp_path / "demo" / "gridsolve.yaml")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.stdout.strip().splitlines()[-1] == "exit 0 False", res.stdout + res.stderr[-3000:]
+    assert cli_imports("run", str(tmp_path / "demo" / "gridsolve.yaml")) == "0 prefect"
     assert picture.stat().st_mtime_ns == drawn
 
 
