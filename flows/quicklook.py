@@ -558,14 +558,19 @@ def loss_curve_png(output: str | Path, options: Mapping[str, Any] | None = None)
     return buf.getvalue()
 
 
+def _beside(output: str | Path, suffix: str) -> Path | str:
+    """Where the picture ``suffix`` of ``output`` goes: ``<output>.<suffix>.png``."""
+    name = f"{output}.{suffix}.png"
+    return name if remote.is_url(str(output)) else Path(name)
+
+
 def _write_beside(
     output: str | Path, suffix: str, png: bytes, options: Mapping[str, Any] | None = None
 ) -> Path | str:
-    if remote.is_url(str(output)):
-        url = f"{output}.{suffix}.png"
-        remote.filesystem(url, options).pipe_file(url, png)  # one PUT: whole or absent
-        return url
-    path = Path(f"{output}.{suffix}.png")
+    path = _beside(output, suffix)
+    if isinstance(path, str):
+        remote.filesystem(path, options).pipe_file(path, png)  # one PUT: whole or absent
+        return path
     with atomic_file(path) as tmp:
         tmp.write_bytes(png)
     return path
@@ -624,7 +629,7 @@ def write_quicklook(
     """
     stamp = drawn_from(output, caption)
     if stamp is not None:
-        existing = Path(f"{output}.quicklook.png")
+        existing = Path(_beside(output, "quicklook"))  # a local file: stamps are local only
         try:
             png = existing.read_bytes()
         except OSError:
