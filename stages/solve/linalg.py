@@ -29,6 +29,7 @@ pseudo-inverse's ``V Σ⁻² Vᵀ`` for minimum norm, and for ridge the sandwich
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -215,13 +216,28 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 
 
 def stable_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """Sum over ``dim`` in index order (batch-independent on CPU)."""
+    """Sum over ``dim`` in an order fixed by its length alone (batch-independent on CPU).
+
+    Pairwise: the two halves added, again and again (an odd one out is added to
+    the first entry), so ⌈log₂ n⌉ operations instead of n, and more accurate.
+    """
     if x.device.type != "cpu" or x.shape[dim] == 0:
         return x.sum(dim)
-    acc = x.select(dim, 0).clone()
-    for i in range(1, x.shape[dim]):
-        acc += x.select(dim, i)
-    return acc
+    n = x.shape[dim]
+    if n == 1:
+        return x.select(dim, 0).clone()
+    half = n // 2
+    acc = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+    if n % 2:
+        acc.select(dim, 0).add_(x.select(dim, n - 1))
+    n = half
+    while n > 1:
+        half = n // 2
+        acc.narrow(dim, 0, half).add_(acc.narrow(dim, half, half))
+        if n % 2:
+            acc.select(dim, 0).add_(acc.select(dim, n - 1))
+        n = half
+    return acc.select(dim, 0)
 
 
 def column_rms(R: torch.Tensor, n: torch.Tensor | float) -> torch.Tensor:
@@ -292,6 +308,83 @@ def cholesky_solve(L: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return h
 
 
+@functools.cache
+def lower_pairs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column indices of an n × n lower triangle, packed column after column.
+
+    Column ``j`` (rows ``j…n-1``) starts at ``j·n − j(j−1)/2``: the layout of
+    :func:`packed_cholesky`, in which every column of the factor is one slice.
+    """
+    rows = [r for j in range(n) for r in range(j, n)]
+    cols = [j for j in range(n) for _ in range(j, n)]
+    return torch.tensor(rows), torch.tensor(cols)
+
+
+@functools.cache
+def _row_order(n: int) -> torch.Tensor:
+    """Where the packed columns' entries go when the lower triangle is packed by rows."""
+    r, c = lower_pairs(n)
+    return torch.tensor(sorted(range(len(r)), key=lambda k: (int(r[k]), int(c[k]))))
+
+
+def _column_start(j: int, n: int) -> int:
+    return j * n - j * (j - 1) // 2
+
+
+def packed_cholesky(G: torch.Tensor, n: int, tol: float = PIVOT_TOL) -> torch.Tensor:
+    """Factor packed lower triangles ``G`` (n(n+1)/2, P) in place; which pixels factored well.
+
+    :func:`batched_cholesky` on the packed layout of :func:`lower_pairs`: half
+    the memory passes of the square one, since only the lower triangle is
+    updated. Same failure rule (a pivot below ``tol`` times its diagonal entry).
+    """
+    p = G.shape[1]
+    starts = [_column_start(j, n) for j in range(n)]
+    diag = G[starts].clone()  # (n, P), before factoring
+    ok = torch.ones(p, dtype=torch.bool, device=G.device)
+    tiny = torch.finfo(G.dtype).tiny
+    for j in range(n):
+        col = G[starts[j] : starts[j] + n - j]  # L[j:, j]
+        d2 = col[0]
+        ok &= d2 > (tol * diag[j]).clamp_min(tiny)
+        # A failed pixel's factor is garbage (maybe NaN); the caller re-solves it by SVD.
+        col /= d2.clamp_min(tiny).sqrt()
+        for c in range(j + 1, n):  # L[c:, c] -= L[c:, j]·L[c, j]
+            G[starts[c] : starts[c] + n - c].addcmul_(col[c - j :], col[c - j], value=-1)
+    return ok
+
+
+class PackedFactor:
+    """A packed Cholesky factor (:func:`packed_cholesky`) ready for solves: columns and rows."""
+
+    def __init__(self, L: torch.Tensor, n: int) -> None:
+        self.n = n
+        self.cols = L
+        self.starts = [_column_start(j, n) for j in range(n)]
+        # L's rows packed one after the other (row i: L[i, :i+1] at i(i+1)/2), for
+        # the back substitution's row slices.
+        self.rows = L[_row_order(n).to(L.device)]
+
+    def column(self, j: int) -> torch.Tensor:
+        """``L[j:, j]`` (n−j, P)."""
+        return self.cols[self.starts[j] : self.starts[j] + self.n - j]
+
+    def solve_(self, h: torch.Tensor) -> torch.Tensor:
+        """Solve ``L Lᵀ x = h`` for every pixel, in place in ``h`` (n, P)."""
+        n = self.n
+        for i in range(n):
+            col = self.column(i)
+            h[i] /= col[0]
+            if i + 1 < n:
+                h[i + 1 :].addcmul_(col[1:], h[i], value=-1)
+        for i in range(n - 1, -1, -1):
+            row = self.rows[i * (i + 1) // 2 : (i + 1) * (i + 2) // 2]  # L[i, :i+1]
+            h[i] /= row[i]
+            if i:
+                h[:i].addcmul_(row[:i], h[i], value=-1)
+        return h
+
+
 def _pow2_exponent(X: torch.Tensor) -> torch.Tensor:
     """Per column, ``e`` with 2^(e-1) ≤ max |x| < 2^e (0 for a zero column), 2^-e finite."""
     _, e = torch.frexp(torch.maximum(X.amax(dim=0), -X.amin(dim=0)))
@@ -299,19 +392,16 @@ def _pow2_exponent(X: torch.Tensor) -> torch.Tensor:
 
 
 def _converged(dx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # Squared norms: vector_norm along dim 0 is several times slower here. Both
-    # scaled by x's power of two (exact), so that data near 1e±160 in float64
-    # neither overflow nor underflow the squares.
-    e = -_pow2_exponent(x)
-    xs, dxs = torch.ldexp(x, e), torch.ldexp(dx, e)
-    num = stable_sum(dxs * dxs)
-    den = stable_sum(xs * xs)
-    return torch.isfinite(den) & (num <= REFINE_TOL**2 * den + torch.finfo(x.dtype).tiny)
+    """Per column: the largest correction is at most REFINE_TOL × the largest coefficient."""
+    # Largest magnitudes, not norms: no squares to overflow or underflow, and a
+    # quarter of the passes (it runs on every batch of the per-pixel path).
+    xm = x.abs().amax(dim=0)
+    return torch.isfinite(xm) & (dx.abs().amax(dim=0) <= REFINE_TOL * xm)
 
 
 def _primal(
-    A: torch.Tensor, B0: torch.Tensor, Wp: torch.Tensor, lam: float
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
+    A: torch.Tensor, B0: torch.Tensor, Wp: torch.Tensor, lam: float, unit: bool
+) -> tuple[torch.Tensor, torch.Tensor, tuple[PackedFactor, torch.Tensor | None]]:
     obs, coef = A.shape
     # Work in an orthonormal basis Q of the design (A = Q·R): each pixel's Gram
     # matrix QᵀW_pQ is then near the identity unless its gaps are severe, however
@@ -329,20 +419,26 @@ def _primal(
     else:
         basis = A
         lam_mat = lam * eye if lam else None
-    BB = (basis[:, :, None] * basis[:, None, :]).reshape(obs, coef * coef)
-    G = colmm(BB.T, Wp).reshape(coef, coef, -1)
+    # Only the lower triangle of each Gram matrix, packed (one product of 55 rows
+    # for coef 10 instead of 100).
+    r, c = lower_pairs(coef)
+    r, c = r.to(A.device), c.to(A.device)
+    G = colmm((basis[:, r] * basis[:, c]).T.contiguous(), Wp)
     if lam_mat is not None:
-        G += lam_mat[:, :, None]
-    L, ok = batched_cholesky(G)
-    WB = Wp * B0
-    x = cholesky_solve(L, colmm(basis.T, WB))
+        G += lam_mat[r, c][:, None]
+    ok = packed_cholesky(G, coef)
+    L = PackedFactor(G, coef)
+    # unit: Wp is 0/1 and B0 is 0 where Wp is, so W·B0 = B0 (one pass fewer)
+    WB = B0 if unit else Wp * B0
+    x = L.solve_(colmm(basis.T, WB))
     conv = ok
     for _ in range(REFINE_STEPS):
-        g = colmm(basis.T, WB - Wp * colmm(basis, x))
+        t = colmm(basis, x).mul_(Wp)
+        g = colmm(basis.T, torch.sub(WB, t, out=t))
         if lam_mat is not None:
-            g = g - colmm(lam_mat, x)
-        dx = cholesky_solve(L, g)
-        x = x + dx
+            g -= colmm(lam_mat, x)
+        dx = L.solve_(g)
+        x += dx
         conv = ok & _converged(dx, x)
         if bool(conv.eq(ok).all()):
             break
@@ -535,14 +631,16 @@ def solve_per_pixel(
     pol: Policy,
     svd_chunk: int = 4096,
     active: torch.Tensor | None = None,
+    unit: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Coefficients (coef, P) and status (P,) of pixels with their own weights ``Wp`` (obs, P).
 
     ``B0`` holds zeros where ``Wp`` is zero. Every ``active`` pixel (default:
     all) has enough valid observations; the others are computed but never sent
-    to the SVD path, and the caller drops them.
+    to the SVD path, and the caller drops them. ``unit``: the caller knows that
+    ``Wp`` holds only 0 and 1 (it saves a pass over the data).
     """
-    x, status, _ = _solve_per_pixel(A, B0, Wp, pol, svd_chunk, active, None, False)
+    x, status, _ = _solve_per_pixel(A, B0, Wp, pol, svd_chunk, active, None, False, unit)
     return x, status
 
 
@@ -555,13 +653,14 @@ def solve_per_pixel_spread(
     spans_known: bool = False,
     svd_chunk: int = 4096,
     active: torch.Tensor | None = None,
+    unit: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Spread]:
     """:func:`solve_per_pixel`, and the solutions' :class:`Spread` from the same factorisations.
 
     ``full`` asks for the covariance too. ``spans_known``: the design spans the
     constant on all its rows, hence on every pixel's valid rows.
     """
-    x, status, spread = _solve_per_pixel(A, B0, Wp, pol, svd_chunk, active, full, spans_known)
+    x, status, spread = _solve_per_pixel(A, B0, Wp, pol, svd_chunk, active, full, spans_known, unit)
     assert spread is not None
     return x, status, spread
 
@@ -591,22 +690,23 @@ def _to_pixels_last(X: torch.Tensor) -> torch.Tensor:
     return X.permute(1, 2, 0)
 
 
-def _primal_spread(L: torch.Tensor, T: torch.Tensor | None, lam: float, full: bool) -> Spread:
+def _primal_spread(L: PackedFactor, T: torch.Tensor | None, lam: float, full: bool) -> Spread:
     """The spread ``Z = L⁻¹T``, ``T`` lower triangular (None: the identity)."""
-    coef, _, p = L.shape
-    rhs = torch.eye(coef, dtype=L.dtype, device=L.device) if T is None else T
+    coef, p = L.n, L.cols.shape[1]
+    dev = L.cols.device
+    rhs = torch.eye(coef, dtype=L.cols.dtype, device=dev) if T is None else T
     # Z = L⁻¹T per pixel, so that ZᵀZ = (XᵀX + λI)⁻¹: forward substitution on the
     # pixels-last factor, elementwise per pixel (each pixel's result is independent of
     # the batch), without a pixels-first copy of L or a batched LAPACK call per pixel.
     # L and T lower triangular: so is Z, and row i needs only its first i+1 columns.
     Z = rhs[:, :, None].expand(coef, coef, p).clone()
-    var = torch.zeros((coef, p), dtype=L.dtype, device=L.device)
-    dinv = 1.0 / torch.diagonal(L, dim1=0, dim2=1).T  # (coef, P)
+    var = torch.zeros((coef, p), dtype=L.cols.dtype, device=dev)
     for i in range(coef):
+        col = L.column(i)  # L[i:, i]
         zi = Z[i, : i + 1]
-        zi *= dinv[i]
+        zi /= col[0]
         if i + 1 < coef:
-            Z[i + 1 :, : i + 1].addcmul_(L[i + 1 :, i][:, None, :], zi[None], value=-1)
+            Z[i + 1 :, : i + 1].addcmul_(col[1:, None, :], zi[None], value=-1)
         var[: i + 1].addcmul_(zi, zi)  # diag(ZᵀZ), row by row while Z[i] is final (and in cache)
     if lam:
         # the ridge sandwich M⁻¹XᵀXM⁻¹ = M⁻¹ − λM⁻², M = XᵀX + λI; tr(H) = coef − λ tr(M⁻¹)
@@ -618,9 +718,9 @@ def _primal_spread(L: torch.Tensor, T: torch.Tensor | None, lam: float, full: bo
         diag.clamp_(min=0.0)
         var = diag.T.contiguous()
         edf = coef - lam * torch.diagonal(Minv, dim1=0, dim2=1).T.sum(0)
-        return Spread(var, edf, cov if full else None, _true(p, L.device))
-    edf = torch.full((p,), float(coef), dtype=L.dtype, device=L.device)
-    return Spread(var, edf, _gram(Z) if full else None, _true(p, L.device))
+        return Spread(var, edf, cov if full else None, _true(p, dev))
+    edf = torch.full((p,), float(coef), dtype=L.cols.dtype, device=dev)
+    return Spread(var, edf, _gram(Z) if full else None, _true(p, dev))
 
 
 def _gram(Z: torch.Tensor) -> torch.Tensor:
@@ -685,25 +785,29 @@ def _solve_per_pixel(
     active: torch.Tensor | None,
     full: bool | None,
     spans_known: bool,
+    unit: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, Spread | None]:
     obs, coef = A.shape
     lam = pol.ridge if pol.policy == "ridge" else 0.0
     use_dual = pol.policy != "cholesky" and coef > obs
     zero_one = not (lam and use_dual) or bool(((Wp == 0) | (Wp == 1)).all())
     H = gapwise_dual(A, pol, full is not None, zero_one)
+    Ld = S = T = None
+    Lp: PackedFactor | None = None
     if H is not None:
         x, good = _dual_schur(A, B0, Wp > 0, lam, H, active)
-        L = extra = None
+    elif use_dual:
+        x, good, (Ld, S) = _dual(A, B0, Wp, lam)
     else:
-        x, good, (L, extra) = (_dual if use_dual else _primal)(A, B0, Wp, lam)
+        x, good, (Lp, T) = _primal(A, B0, Wp, lam, unit)
     spread = None
     if full is not None:
-        assert L is not None
         if use_dual:
-            assert extra is not None
-            spread = _dual_spread(A, L, extra, lam, full)
+            assert Ld is not None and S is not None
+            spread = _dual_spread(A, Ld, S, lam, full)
         else:
-            spread = _primal_spread(L, extra, lam, full)
+            assert Lp is not None
+            spread = _primal_spread(Lp, T, lam, full)
         if spans_known:
             spread.spans[:] = True
         else:

@@ -916,18 +916,29 @@ def _solve_batch(
     device, At, mom = blk.device, systems.At, blk.mom
     vmask = np.ascontiguousarray(g.valid[:, sel])
     Vt_ = torch.from_numpy(vmask).to(device)
-    # Invalid observations are NaN or carry zero weight: zero them, weight them 0.
-    B0 = torch.from_numpy(blk.B[:, sel]).to(device, torch.float64, copy=True).nan_to_num_(0.0)
+    # Invalid observations are NaN, ±inf or carry zero weight: zero them (linalg's
+    # contract: B0 is 0 where the weight is), weight them 0.
+    B0 = torch.from_numpy(blk.B[:, sel]).to(device, torch.float64, copy=True)
+    B0.nan_to_num_(0.0, 0.0, 0.0)
     Wp = _batch_weights(systems, sel, vmask, Vt_, device)
     act = torch.from_numpy(active).to(device)
     sp = None
+    unit = systems.own_weights is None and systems.unweighted  # Wp is the 0/1 mask
     if mom is None:
-        x, px_status = linalg.solve_per_pixel(At, B0, Wp, blk.pol, active=act)
+        x, px_status = linalg.solve_per_pixel(At, B0, Wp, blk.pol, active=act, unit=unit)
     else:
         x, px_status, sp = linalg.solve_per_pixel_spread(
-            At, B0, Wp, blk.pol, full=blk.full, spans_known=blk.op.spans_const, active=act
+            At,
+            B0,
+            Wp,
+            blk.pol,
+            full=blk.full,
+            spans_known=blk.op.spans_const,
+            active=act,
+            unit=unit,
         )
-    R = (B0 - linalg.colmm(At, x)).mul_(Vt_)
+    R = linalg.colmm(At, x)
+    R = torch.sub(B0, R, out=R).mul_(Vt_)
     n_v = torch.from_numpy(g.n_valid[sel].astype(np.float64)).to(device)
     r_t = linalg.column_rms(R, n_v)
     r = r_t.cpu().numpy()
@@ -941,8 +952,7 @@ def _solve_batch(
         pick = active
     g.C[:, on], g.rms[on], blk.status[on] = xs[:, pick], r[pick], sts[pick]
     if mom is not None and sp is not None:
-        plain = systems.own_weights is None and systems.unweighted
-        wr, tr = _batch_moments(R, B0, Wp, n_v, r_t, sp.spans, plain)
+        wr, tr = _batch_moments(R, B0, Wp, n_v, r_t, sp.spans, unit)
         mom.put(
             on,
             g.C[:, on],

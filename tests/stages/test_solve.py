@@ -538,3 +538,22 @@ def test_min_valid_above_the_observations_gives_the_same_status_in_every_tile(
     assert (solve_block(B, ok_op, ok_config).arrays["status"] == STATUS_CODES["ok"]).all()
     mixed = solve_block(with_gap, ok_op, ok_config).arrays["status"]
     assert (mixed[:-1] == STATUS_CODES["ok"]).all() and mixed[-1] == too_few
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_infinite_data_are_gaps_on_the_per_pixel_path(dtype: str) -> None:
+    from gridsolve.stages.solve.lstsq import make_operator, solve_block
+
+    rng = np.random.default_rng(3)
+    A = np.vander(np.linspace(-1, 1, 30), 4, increasing=True)
+    B = rng.standard_normal((30, 400)).astype(dtype)
+    B[rng.random(B.shape) < 0.15] = np.nan
+    B[rng.random(B.shape) < 0.05] = np.inf
+    B[rng.random(B.shape) < 0.05] = -np.inf
+    config = LstsqSolve(dtype="float64")
+    out = solve_block(B, make_operator(A, np.ones(30), config), config)
+    assert out.meta["paths"]["per_pixel"] > 300
+    coef, rms = lstsq_rows(A, np.where(np.isfinite(B), B, np.nan)[:, None, :])
+    np.testing.assert_allclose(out.arrays["coefficients"], coef[:, 0], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(out.arrays["residual_rms"], rms[0], rtol=1e-10)
+    assert (out.arrays["n_valid"] == np.isfinite(B).sum(axis=0)).all()
