@@ -844,10 +844,6 @@ def _solve_per_pixel(
             if not active.any():
                 continue
             _solve_batch(blk, g, systems, sel, active)
-        # Solved in float64: a coefficient beyond the stored dtype is inf now.
-        # (all columns, then picked: a column gather of C first costs 20× more)
-        over = ~np.isfinite(g.C).all(axis=0)[todo]
-        g.rms[todo[over]] = np.inf
         g.rms[todo[blk.status[todo] == linalg.SINGULAR]] = np.nan
     blk.seconds["per_pixel"] = time.perf_counter() - t0
 
@@ -939,8 +935,7 @@ def _solve_batch(
             active=act,
             unit=unit,
         )
-    R = linalg.colmm(At, x)
-    R = torch.sub(B0, R, out=R).mul_(Vt_)
+    R = linalg.colmm_sub(B0, At, x).mul_(Vt_)
     n_v = torch.from_numpy(g.n_valid[sel].astype(np.float64)).to(device)
     r_t = linalg.column_rms(R, n_v)
     r = r_t.cpu().numpy()
@@ -952,7 +947,11 @@ def _solve_batch(
     else:
         on = (np.flatnonzero(active) + sel.start) if isinstance(sel, slice) else sel
         pick = active
-    g.C[:, on], g.rms[on], blk.status[on] = xs[:, pick], r[pick], sts[pick]
+    # Solved in float64: a coefficient beyond the stored dtype is inf once stored,
+    # and so is its pixel's residual RMS (checked here, on the batch, while it is hot).
+    stored = xs[:, pick].astype(g.C.dtype, copy=False)
+    rms = np.where(np.isfinite(stored).all(axis=0), r[pick], np.inf)
+    g.C[:, on], g.rms[on], blk.status[on] = stored, rms, sts[pick]
     if mom is not None and sp is not None:
         wr, tr = _batch_moments(R, B0, Wp, n_v, r_t, sp.spans, unit)
         mom.put(
