@@ -3,8 +3,8 @@
 Random shapes, masks (all-missing pixels, missing time steps, single valid
 observations), weights, and well-, ill-conditioned or rank-deficient designs.
 Tolerance: 1e-8 relative for float64, loosened only by the conditioning of the
-pixel's own sub-problem (100·κ·eps), which bounds how far any two backward-stable
-solvers may differ.
+pixel's own sub-problem (100·eps times κ + κ²·‖r‖/(σ₁‖c‖), the least-squares
+sensitivity), which bounds how far any two backward-stable solvers may differ.
 """
 
 from __future__ import annotations
@@ -58,8 +58,14 @@ def _oracle(A: np.ndarray, b: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, fl
     c = np.linalg.lstsq(X, b * s, rcond=None)[0]
     sv = np.linalg.svd(X, compute_uv=False)
     kept = sv[sv > EPS * max(X.shape) * sv[0]] if sv.size and sv[0] > 0 else sv[:0]
-    kappa = float(kept[0] / kept[-1]) if kept.size else 1.0
-    return c, kappa
+    if not kept.size:
+        return c, 1.0
+    kappa = float(kept[0] / kept[-1])
+    # A least-squares solution with residual r moves by κ²·‖r‖/(σ₁‖c‖) relative, on top
+    # of κ, under perturbations of relative size ε (Golub & Van Loan, §5.3): any two
+    # backward-stable solvers may differ by that much when the system is inconsistent.
+    r = float(np.linalg.norm(b * s - X @ c))
+    return c, kappa + kappa**2 * r / (float(kept[0]) * max(float(np.linalg.norm(c)), 1e-300))
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
