@@ -2,7 +2,8 @@
 
 Coordinates and the design matrix are written first with xarray (which knows
 how to encode datetimes and strings); the large variables are then created
-with netCDF4 and filled tile by tile, so memory stays at one tile. Everything
+with netCDF4 and filled tile by tile, so memory stays at one tile, as chunks
+compressed on every core and stored directly (:mod:`.direct`). Everything
 goes to a temporary file beside the target, renamed over it only when complete:
 a crash or an error never leaves a half file under the final name.
 
@@ -45,6 +46,7 @@ from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
 from gridsolve.stages.engine.versions import package_versions
 from gridsolve.stages.load.contract import plane_window
+from gridsolve.stages.write.direct import ChunkWriter
 
 VERSION = "1"
 STAGE = "write/netcdf"
@@ -762,6 +764,18 @@ def _define(
     var.setncatts(v["attrs"])
 
 
+def _block(
+    data: np.ndarray, window: Mapping[str, Any], lead_dims: Sequence[str], yx: tuple[str, str]
+) -> tuple[tuple[slice, ...], np.ndarray]:
+    """Where one tile of a variable goes in the file (a slice per dim), and its data so shaped."""
+    own = data.shape[:-2]  # the variable's own leading dims, whole
+    index = [slice(0, n) for n in own]
+    index += [slice(int(window[d]), int(window[d]) + 1) for d in lead_dims]
+    index += [window[yx[0]], window[yx[1]]]
+    shaped = data.reshape(*own, *([1] * len(lead_dims)), *data.shape[-2:])
+    return tuple(index), shaped
+
+
 def file_dims(v: Mapping[str, Any], lead_dims: Sequence[str]) -> tuple[str, ...]:
     """Dims of output variable ``v`` in the file: its own, the cube's batch dims, then y, x."""
     dims = tuple(v["dims"])
@@ -891,15 +905,16 @@ def write_netcdf(
                 lead_dims = list(load.meta.get("lead_dims") or [])
                 for v in variables:
                     _define(nc, v, tile_data(first, v), sizes, config, yx, lead_dims)
+            # The data: compressed chunks on every core, written straight into the file.
+            with ChunkWriter(tmp) as out:
                 for i, tile in enumerate(plan):
                     arts = {kind: art.tiles[i][1] for kind, art in tiled.items()}
                     window = plane_window(load.meta, tile)
-                    at = (..., *(window[d] for d in lead_dims), window[yx[0]], window[yx[1]])
                     for v in variables:
                         data = tile_data(arts, v)
                         if "flat_from" in v:
                             data = data.reshape(-1, *data.shape[-2:])
-                        nc.variables[v["name"]][at] = data
+                        out.write(v["name"], *_block(data, window, lead_dims, yx))
         if train is not None:
             write_weights(train, final)
     except GridsolveError:
