@@ -19,14 +19,16 @@ import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import h5py
 import numpy as np
 
-#: The filters this module applies itself, by HDF5 filter id.
-SHUFFLE = int(h5py.h5z.FILTER_SHUFFLE)
-DEFLATE = int(h5py.h5z.FILTER_DEFLATE)
+if TYPE_CHECKING:  # h5py is imported when a file is written, not by every run (cached ones)
+    import h5py
+
+#: The filters this module applies itself, by HDF5 filter id (H5Zpublic.h).
+DEFLATE = 1
+SHUFFLE = 2
 
 
 def workers() -> int:
@@ -79,6 +81,8 @@ class ChunkWriter:
     """Writes blocks of an open file's chunked variables; a context manager that closes it."""
 
     def __init__(self, path: str | os.PathLike[str], threads: int | None = None) -> None:
+        import h5py
+
         self.file = h5py.File(path, "r+")
         self.pool = ThreadPoolExecutor(threads or workers())
         #: blocks stored as chunks compressed here, and blocks written the ordinary way

@@ -39,7 +39,7 @@ IMPORT_PROBE = (
     "from gridsolve.flows.cli import main\n"
     "with contextlib.redirect_stdout(io.StringIO()):\n"
     "    rc = main(sys.argv[1:])\n"
-    "heavy = sorted(m for m in ('torch', 'prefect') if m in sys.modules)\n"
+    "heavy = sorted(m for m in ('h5py', 'torch', 'prefect') if m in sys.modules)\n"
     "print(rc, ','.join(heavy) or '-')\n"
 )
 
@@ -169,7 +169,7 @@ def test_demo_then_rerun_hits_the_cache(tmp_path: Path) -> None:
     ]
     assert len(rows) == 6 and all(r[3] == "hit" for r in rows), again.stdout
     # A rerun whose every stage is a hit imports no torch (the stages' code loads lazily)
-    # and leaves the quick look as it was drawn.
+    # nor h5py (imported to write), and leaves the quick look as it was drawn.
     picture = Path(f"{out}.quicklook.png")
     drawn = picture.stat().st_mtime_ns
     assert cli_imports("run", str(tmp_path / "demo" / "gridsolve.yaml")) == "0 prefect"

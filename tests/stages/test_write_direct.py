@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from gridsolve.stages.write.direct import ChunkWriter, pipeline
+from gridsolve.stages.write.direct import DEFLATE, SHUFFLE, ChunkWriter, pipeline
 
 
 def define(
@@ -124,6 +124,7 @@ def test_reads_back_as_the_netcdf_library_writes_it(tmp_path: Path, case: str) -
 
 
 def test_supported_pipelines_are_told_apart(tmp_path: Path) -> None:
+    assert (DEFLATE, SHUFFLE) == (h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE)
     expect = {
         "a": ({"zlib": True, "complevel": 3, "shuffle": True}, (True, 3)),
         "b": ({"zlib": True, "complevel": 1, "shuffle": False}, (False, 1)),
