@@ -94,7 +94,7 @@ def _prefect(*args: str) -> list[str]:
 
 
 #: How often `gridsolve worker` asks the server for runs (PREFECT_WORKER_QUERY_SECONDS wins).
-WORKER_QUERY_SECONDS = 1
+WORKER_QUERY_SECONDS = 0.5
 
 
 def _prefect_env(**extra: str) -> dict[str, str]:
@@ -232,7 +232,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     _need_api()
     env = _prefect_env()
     # Prefect polls every 10 s by default, so a run triggered in the UI waited 5 s on
-    # average before anything happened; one poll a second costs the server little.
+    # average before anything happened; two polls a second cost the server little
+    # (one read of the pool's queues) and keep trigger → Completed of a cached run
+    # under 4 s (benchmarks/bench_pipeline.py --case overhead).
     env.setdefault("PREFECT_WORKER_QUERY_SECONDS", str(WORKER_QUERY_SECONDS))
     return supervise(_prefect("worker", "start", "--pool", args.pool), env)
 
