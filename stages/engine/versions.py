@@ -46,10 +46,10 @@ import xxhash
 
 from gridsolve.stages.engine.hashing import canonical_json, hash_text
 
-#: Distributions whose version can change the numbers gridsolve computes. h5py is
-#: left out: gridsolve reads and writes through netCDF4 (which bundles its own
-#: HDF5), never through h5py. Prefect only orchestrates.
-NUMERIC_PACKAGES = ("gridsolve", "numpy", "scipy", "torch", "xarray", "netCDF4")
+#: Distributions whose version can change the numbers (or bytes) gridsolve
+#: produces. h5py: the NetCDF writer stores its compressed chunks through it
+#: (stages/write/direct.py). Prefect only orchestrates.
+NUMERIC_PACKAGES = ("gridsolve", "numpy", "scipy", "torch", "xarray", "netCDF4", "h5py")
 
 #: gridsolve's own top-level package: always versioned by source, wherever installed.
 GRIDSOLVE_PACKAGES = frozenset({"gridsolve"})

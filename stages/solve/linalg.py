@@ -47,7 +47,8 @@ FELL_BACK_MINNORM = STATUS_CODES["fell_back_to_minimum_norm"]
 SINGULAR = STATUS_CODES["singular"]
 
 #: Refinement steps of the per-pixel normal equations, and the relative size
-#: of the last correction above which a pixel goes to the SVD path instead.
+#: of the last correction (its largest magnitude over the coefficients' largest)
+#: above which a pixel goes to the SVD path instead.
 REFINE_STEPS = 2
 REFINE_TOL = 1e-11
 #: A Cholesky pivot below this fraction of its diagonal entry means the
@@ -177,7 +178,8 @@ def operator_spread(
 
 # ---------------------------------------------------------------- per pixel
 # Every operation along the pixel axis is elementwise, a matrix product, or a
-# sum over a small axis in index order, so a pixel's result does not depend on
+# sum over a small axis in an order fixed by its length (stable_sum), so a
+# pixel's result does not depend on
 # which other pixels share its tile or chunk beyond the rounding of the matrix
 # products: MKL picks kernels by the product's width and the CPU's
 # instructions (on its AVX2 path the last bits change with the width). That is
@@ -215,13 +217,16 @@ def colmm_sub(
 
     A new tensor, or ``C`` itself with ``in_place`` (no copy of ``C`` then).
     """
-    if X.device.type != "cpu" or X.shape[1] >= MIN_WIDTH:
+    n = X.shape[1]
+    if X.device.type != "cpu" or n >= MIN_WIDTH:
         if in_place:
             return C.addmm_(M, X, alpha=-1)
         return torch.addmm(C, M, X, alpha=-1)
-    if in_place:
-        return C.sub_(colmm(M, X))
-    return C - colmm(M, X)
+    # narrow: the same addmm on operands padded to MIN_WIDTH, so it rounds as a wide one
+    Cp, Xp = C.new_zeros((C.shape[0], MIN_WIDTH)), X.new_zeros((X.shape[0], MIN_WIDTH))
+    Cp[:, :n], Xp[:, :n] = C, X
+    out = Cp.addmm_(M, Xp, alpha=-1)[:, :n]
+    return C.copy_(out) if in_place else out.contiguous()
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -253,7 +258,8 @@ def stable_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         if n % 2:
             acc.select(dim, 0).add_(acc.select(dim, n - 1))
         n = half
-    return acc.select(dim, 0)
+    # a copy: a view would keep the half-size buffer alive with the result
+    return acc.select(dim, 0).clone()
 
 
 def column_rms(R: torch.Tensor, n: torch.Tensor | float) -> torch.Tensor:
@@ -338,7 +344,7 @@ def lower_pairs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def _row_order(n: int) -> torch.Tensor:
-    """Where the packed columns' entries go when the lower triangle is packed by rows."""
+    """Gather index: entry k of the triangle packed by rows is entry ``index[k]`` by columns."""
     r, c = lower_pairs(n)
     return torch.tensor(sorted(range(len(r)), key=lambda k: (int(r[k]), int(c[k]))))
 
@@ -415,6 +421,24 @@ def _converged(dx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(xm) & (_max_abs(dx) <= REFINE_TOL * xm)
 
 
+def _step(
+    ok: torch.Tensor, conv: torch.Tensor | None, *pairs: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One refinement step: each ``(value, correction)`` pair corrected; which pixels converged.
+
+    The first step (``conv`` None) corrects every pixel; later steps only the pixels
+    that have not converged yet, so how often a pixel is refined never depends on the
+    other pixels of its batch (the loop stops once every pixel has). Convergence is
+    judged on the first pair (the coefficients).
+    """
+    if conv is None:
+        out = [v.add_(d) for v, d in pairs]
+        return ok & _converged(pairs[0][1], out[0]), out
+    more = ok & ~conv
+    out = [torch.where(more, v + d, v) for v, d in pairs]
+    return conv | (more & _converged(pairs[0][1], out[0])), out
+
+
 def _max_abs(X: torch.Tensor) -> torch.Tensor:
     """Per column, the largest magnitude (NaN where a column has one)."""
     # max and −min: no |X| array (half the time of X.abs().amax at coef 100)
@@ -452,17 +476,16 @@ def _primal(
     L = PackedFactor(G, coef)
     # unit: Wp is 0/1 and B0 is 0 where Wp is, so W·B0 = B0 (one pass fewer)
     x = L.solve_(colmm(basis.T, B0 if unit else Wp * B0))
-    conv = ok
+    conv = None
     for _ in range(REFINE_STEPS):
         # W·b − W·(Qx) = W·(b − Qx): B0 is 0 where W is
         g = colmm(basis.T, colmm_sub(B0, basis, x).mul_(Wp))
         if lam_mat is not None:
             g -= colmm(lam_mat, x)
-        dx = L.solve_(g)
-        x += dx
-        conv = ok & _converged(dx, x)
+        conv, (x,) = _step(ok, conv, (x, L.solve_(g)))
         if bool(conv.eq(ok).all()):
             break
+    conv = ok if conv is None else conv
     if Rinv is not None:
         x = colmm(Rinv, x)
     # (AᵀWA + λI)⁻¹ = R⁻¹ G⁻¹ R⁻ᵀ: the spread needs R⁻ᵀ (lower triangular)
@@ -482,17 +505,14 @@ def _dual(
     z = S * B0
     alpha = cholesky_solve(L, z.clone())
     x = colmm(A.T, S * alpha)
-    conv = ok
+    conv = None
     for _ in range(REFINE_STEPS):
         r = z - S * colmm(A, x) - lam * alpha
         da = cholesky_solve(L, r)
-        alpha = alpha + da
-        dx = colmm(A.T, S * da)
-        x = x + dx
-        conv = ok & _converged(dx, x)
+        conv, (x, alpha) = _step(ok, conv, (x, colmm(A.T, S * da)), (alpha, da))
         if bool(conv.eq(ok).all()):
             break
-    return x, conv, (L, S)
+    return x, ok if conv is None else conv, (L, S)
 
 
 #: The shared dual matrix AAᵀ + λI must be this well conditioned for the gap-wise
@@ -586,17 +606,16 @@ def _dual_schur(
     alpha = apply(B0s)
     x = colmm(A.T, alpha, out=host_empty((A.shape[1], alpha.shape[1]), A.dtype, A.device))
     dx = host_empty(x.shape, x.dtype, x.device)  # one buffer for every step's correction
-    conv = ok
+    conv = None
     for _ in range(REFINE_STEPS):
         r = colmm_sub(B0s, A, x).mul_(on)
         if lam:
             r -= lam * alpha
         da = apply(r)
-        alpha += da
-        x += colmm(A.T, da, out=dx)
-        conv = ok & _converged(dx, x)
+        conv, (x, alpha) = _step(ok, conv, (x, colmm(A.T, da, out=dx)), (alpha, da))
         if bool(conv.eq(ok).all()):
             break
+    conv = ok if conv is None else conv
     # back to the caller's pixel order (torch.gather: index_select along columns costs 5× more)
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)

@@ -83,7 +83,9 @@ class ChunkWriter:
     def __init__(self, path: str | os.PathLike[str], threads: int | None = None) -> None:
         import h5py
 
-        self.file = h5py.File(path, "r+")
+        # netCDF-C's chunk cache is larger than h5py's 1 MiB default; blocks written
+        # the ordinary way over parts of chunks would otherwise recompress them per block
+        self.file = h5py.File(path, "r+", rdcc_nbytes=64 * 2**20)
         self.pool = ThreadPoolExecutor(threads or workers())
         #: blocks stored as chunks compressed here, and blocks written the ordinary way
         self.direct = self.ordinary = 0
@@ -104,6 +106,13 @@ class ChunkWriter:
         """Store ``data`` at ``index`` (a slice with start and stop for every dim) of ``name``."""
         d = self.file[name]
         data = np.asarray(data, dtype=d.dtype)
+        if None in d.maxshape:  # an unlimited dim: HDF5 holds only what was written so far
+            grown = tuple(
+                max(n, s.stop) if m is None and s.stop is not None else n
+                for s, n, m in zip(index, d.shape, d.maxshape, strict=True)
+            )
+            if grown != d.shape:
+                d.resize(grown)
         index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, d.shape, strict=True))
         if data.shape != tuple(s.stop - s.start for s in index):
             raise ValueError(f"a block of shape {data.shape} written to {index} of {name!r}")

@@ -171,3 +171,57 @@ def test_dual_by_gaps_keeps_float64_accuracy_on_ill_conditioned_designs(cond: fl
         ref = _dual_oracle(A, B[:, p], valid[:, p], 0.0)
         worst = max(worst, float(np.abs(x[:, p].numpy() - ref).max() / np.abs(ref).max()))
     assert worst < 1e-15 * cond * 100, worst
+
+
+def _gram_batch(n: int, p: int, seed: int) -> torch.Tensor:
+    """(n, n, p) Gram matrices: most positive definite, some singular, one zero."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n + 3, n, p, dtype=torch.float64, generator=g)
+    X[:, -1, : p // 4] = X[:, 0, : p // 4]  # a repeated column: singular
+    X[:, :, -1] = 0.0
+    return torch.einsum("oip,ojp->ijp", X, X)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 10])
+def test_packed_cholesky_is_the_square_ones_lower_triangle(n: int) -> None:
+    G = _gram_batch(n, 200, n)
+    r, c = linalg.lower_pairs(n)
+    packed = G[r, c].contiguous()
+    ok = linalg.packed_cholesky(packed, n)
+    L, ok_square = linalg.batched_cholesky(G.clone())
+    assert torch.equal(ok, ok_square)
+    assert ok.any() and (n == 1 or not ok.all())
+    np.testing.assert_allclose(packed[:, ok], L[r, c][:, ok], rtol=1e-14, atol=1e-14)
+    # and it is the factor: L Lᵀ = G for the pixels that factored
+    full = torch.zeros_like(G)
+    full[r, c] = packed
+    rebuilt = torch.einsum("ikp,jkp->ijp", full, full)
+    np.testing.assert_allclose(rebuilt[:, :, ok], G[:, :, ok], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 4, 10])
+def test_packed_factor_solves_each_pixels_system(n: int) -> None:
+    G = _gram_batch(n, 120, 10 + n)
+    r, c = linalg.lower_pairs(n)
+    packed = G[r, c].contiguous()
+    ok = linalg.packed_cholesky(packed, n)
+    h = torch.randn(n, 120, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    x = linalg.PackedFactor(packed, n).solve_(h.clone())
+    for px in torch.nonzero(ok).flatten().tolist():
+        want = np.linalg.solve(G[:, :, px].numpy(), h[:, px].numpy())
+        np.testing.assert_allclose(x[:, px].numpy(), want, rtol=1e-9, atol=1e-12)
+
+
+def test_zero_one_weights_shortcut_changes_nothing() -> None:
+    g = torch.Generator().manual_seed(5)
+    A = torch.randn(30, 6, dtype=torch.float64, generator=g)
+    W = (torch.rand(30, 500, generator=g) > 0.25).double()
+    B0 = torch.randn(30, 500, dtype=torch.float64, generator=g) * W
+    pol = linalg.Policy("minnorm")
+    x1, s1 = linalg.solve_per_pixel(A, B0, W, pol, unit=True)
+    x0, s0 = linalg.solve_per_pixel(A, B0, W, pol, unit=False)
+    assert torch.equal(x1, x0) and torch.equal(s1, s0)
+    for px in (0, 17, 499):
+        on = W[:, px].bool().numpy()
+        want = np.linalg.lstsq(A.numpy()[on], B0[:, px].numpy()[on], rcond=None)[0]
+        np.testing.assert_allclose(x1[:, px].numpy(), want, rtol=1e-10)
