@@ -13,6 +13,7 @@ than shuffle and deflate, is written the ordinary way (h5py's ``d[index] = data`
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import zlib
@@ -86,7 +87,9 @@ class ChunkWriter:
         # netCDF-C's chunk cache is larger than h5py's 1 MiB default; blocks written
         # the ordinary way over parts of chunks would otherwise recompress them per block
         self.file = h5py.File(path, "r+", rdcc_nbytes=64 * 2**20)
-        self.pool = ThreadPoolExecutor(threads or workers())
+        n = threads or workers()
+        self.pool = ThreadPoolExecutor(n)
+        self.window = 4 * n  # chunks in flight: enough to keep every thread busy
         #: blocks stored as chunks compressed here, and blocks written the ordinary way
         self.direct = self.ordinary = 0
 
@@ -122,8 +125,17 @@ class ChunkWriter:
             d[index] = data
             self.ordinary += 1
             return
-        for offset, job in list(self._encode(d, index, data, starts, *how)):
-            d.id.write_direct_chunk(offset, job.result())
+        # A window of chunks in flight, written as they come back in order: at most that
+        # many compressed copies beside the data (not the whole block's, up front).
+        window: collections.deque[tuple[tuple[int, ...], Future[bytes]]] = collections.deque()
+        for job in self._encode(d, index, data, starts, *how):
+            window.append(job)
+            if len(window) >= self.window:
+                offset, done = window.popleft()
+                d.id.write_direct_chunk(offset, done.result())
+        while window:
+            offset, done = window.popleft()
+            d.id.write_direct_chunk(offset, done.result())
         self.direct += 1
 
     def _encode(
@@ -147,4 +159,5 @@ class ChunkWriter:
                 full = np.full(chunks, pad, dtype=d.dtype)
                 full[tuple(slice(0, n) for n in block.shape)] = block
                 block = full
-            yield offset, self.pool.submit(encode, np.ascontiguousarray(block), shuffle, level)
+            # a view: the worker's tobytes() makes the one copy, in C order
+            yield offset, self.pool.submit(encode, block, shuffle, level)
