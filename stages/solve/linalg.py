@@ -831,7 +831,8 @@ def _solve_per_pixel(
     obs, coef = A.shape
     lam = pol.ridge if pol.policy == "ridge" else 0.0
     use_dual = pol.policy != "cholesky" and coef > obs
-    zero_one = not (lam and use_dual) or bool(((Wp == 0) | (Wp == 1)).all())
+    # only ridge's dual needs 0/1 weights to solve by gaps; unit: the caller knows they are
+    zero_one = unit or not (lam and use_dual) or bool(((Wp == 0) | (Wp == 1)).all())
     H = gapwise_dual(A, pol, full is not None, zero_one)
     Ld = S = T = None
     Lp: PackedFactor | None = None

@@ -649,6 +649,11 @@ class _PixelSystems:
     unweighted: bool  # the shared weights are all 1
     own_weights: np.ndarray | None  # (obs, P) each pixel's own weights
 
+    @property
+    def unit(self) -> bool:
+        """Every pixel's weights are its 0/1 mask of valid observations."""
+        return self.unweighted and self.own_weights is None
+
 
 def _solve_block(
     B: np.ndarray,
@@ -850,8 +855,7 @@ def _solve_per_pixel(
             unweighted=bool((op.sqrtw == 1).all()),
             own_weights=own_weights,
         )
-        zero_one = systems.unweighted and own_weights is None
-        by_gaps = linalg.gapwise_dual(systems.At, blk.pol, blk.mom is not None, zero_one)
+        by_gaps = linalg.gapwise_dual(systems.At, blk.pol, blk.mom is not None, systems.unit)
         max_gaps = op.A.shape[0] - int(g.n_valid[todo].min())
         chunk = _per_pixel_chunk(blk, memory_budget, max_gaps if by_gaps is not None else None)
         for sel, active in _per_pixel_batches(todo, g.per_pixel, blk.B.shape[1], chunk):
@@ -935,7 +939,7 @@ def _solve_batch(
     Wp = _batch_weights(systems, sel, vmask, Vt_, device)
     act = torch.from_numpy(active).to(device)
     sp = None
-    unit = systems.own_weights is None and systems.unweighted  # Wp is the 0/1 mask
+    unit = systems.unit
     if mom is None:
         x, px_status = linalg.solve_per_pixel(At, B0, Wp, blk.pol, active=act, unit=unit)
     else:
