@@ -41,28 +41,23 @@ def nbytes(B: np.ndarray, out: Any) -> int:
 
 
 def stages_once(
-    A: np.ndarray, B: np.ndarray, config: LstsqSolve, gaps: np.ndarray | None = None
+    A: np.ndarray, B: np.ndarray, config: LstsqSolve, top: float, gaps: np.ndarray | None = None
 ) -> tuple[SharedOperator, Any]:
     """normal_equations (float64 SVD of the design) + solve (operator, then every pixel).
 
-    With the cube's largest |value|, as in a run: the load stage finds it while it
-    hashes the cube, and normal_equations hands it on (its ``abs_max``), so the
+    ``top``: the cube's largest |value| (:func:`abs_max`), as in a run, so the
     solve does not scan the data for it.
     """
     sqrtw = np.ones(A.shape[0])
     svd = np.linalg.svd(A, full_matrices=False)
-    op = make_operator(A, sqrtw, config, svd, data_max=abs_max(B))
+    op = make_operator(A, sqrtw, config, svd, data_max=top)
     return op, solve_block(B, op, config, memory_budget=2**30, gap_patterns=gaps)
 
 
-_ABS_MAX: dict[int, tuple[np.ndarray, float]] = {}
-
-
 def abs_max(B: np.ndarray) -> float:
-    """The cube's largest |value|, found once (the load stage's scan, not the solve's)."""
-    if id(B) not in _ABS_MAX or _ABS_MAX[id(B)][0] is not B:
-        _ABS_MAX[id(B)] = (B, float(np.nanmax(np.abs(B))))
-    return _ABS_MAX[id(B)][1]
+    """What the load stage finds while hashing the cube, and normal_equations hands on
+    (its ``abs_max``): the largest |value|."""
+    return float(np.nanmax(np.abs(B)))
 
 
 def grid_gap_patterns(B: np.ndarray) -> np.ndarray:
@@ -95,8 +90,9 @@ def case_shared(n: int, repeats: int, loop_pixels: int) -> None:
     A = rng.standard_normal((50, 100))
     B = (rng.standard_normal((50, n * n)) * 3 + 10).astype(np.float32)
     config = LstsqSolve(policy="minnorm", dtype="float32")
-    stage_s = median_seconds(lambda: stages_once(A, B, config), repeats)
-    op, out = stages_once(A, B, config)
+    top = abs_max(B)
+    stage_s = median_seconds(lambda: stages_once(A, B, config, top), repeats)
+    op, out = stages_once(A, B, config, top)
     floor_s, floor_new = floor_seconds(B, out, repeats)
     # The GEMM floor: the one product this solve must do (C = P·B, coef × obs × pixels,
     # float32) with torch.mm into a fresh output, as the stage must return one: the
@@ -204,13 +200,13 @@ def case_masked(n: int, repeats: int, xr_repeats: int) -> None:
         fit = da.polyfit("t", 9, skipna=True)["polyfit_coefficients"].values
         xr_runs.append(time.perf_counter() - t0)
     xr_s = float(np.median(xr_runs))
-    gaps = grid_gap_patterns(B)
-    stage_s = median_seconds(lambda: stages_once(A, B, config, gaps), repeats)
+    gaps, top = grid_gap_patterns(B), abs_max(B)
+    stage_s = median_seconds(lambda: stages_once(A, B, config, top, gaps), repeats)
     config_se = config.model_copy(update={"uncertainty": "stderr"})
-    stage_se = median_seconds(lambda: stages_once(A, B, config_se, gaps), repeats)
-    se_out = stages_once(A, B, config_se, gaps)[1].arrays
+    stage_se = median_seconds(lambda: stages_once(A, B, config_se, top, gaps), repeats)
+    se_out = stages_once(A, B, config_se, top, gaps)[1].arrays
     p_s = median_seconds(lambda: p_values(se_out["t_value"], se_out["dof"]), repeats)
-    _, out = stages_once(A, B, config, gaps)
+    _, out = stages_once(A, B, config, top, gaps)
     floor_s, floor_new = floor_seconds(B, out, repeats)
     C = out.arrays["coefficients"]
     ref = fit[::-1].reshape(10, -1)  # polyfit: highest degree first
@@ -258,7 +254,7 @@ def case_masked(n: int, repeats: int, xr_repeats: int) -> None:
     print(
         f"xarray / gridsolve = {speed:.1f}× (target ≥ 50×: {'met' if speed >= 50 else 'NOT met'})"
     )
-    prof = _profile(lambda: stages_once(A, B, config, gaps))
+    prof = _profile(lambda: stages_once(A, B, config, top, gaps))
     print(
         "where the time goes (one run, cProfile, cumulative s): "
         + "; ".join(f"{k} {v:.2f}" for k, v in prof.items())
@@ -266,15 +262,15 @@ def case_masked(n: int, repeats: int, xr_repeats: int) -> None:
 
     # coef 100 > obs 50 with gaps: minimum norm per pixel (dual form, by each pixel's gaps).
     A100 = rng.standard_normal((n_obs, 100))
-    s100 = median_seconds(lambda: stages_once(A100, B, config, gaps), max(1, repeats // 2))
-    _, out100 = stages_once(A100, B, config, gaps)
+    s100 = median_seconds(lambda: stages_once(A100, B, config, top, gaps), max(1, repeats // 2))
+    _, out100 = stages_once(A100, B, config, top, gaps)
     C = out100.arrays["coefficients"]
     rel100 = 0.0
     for p in pick[:100]:
         ok = np.isfinite(B[:, p])
         one = np.linalg.lstsq(A100[ok], B[ok, p].astype(np.float64), rcond=None)[0]
         rel100 = max(rel100, float(np.linalg.norm(C[:, p] - one) / np.linalg.norm(one)))
-    prof = _profile(lambda: stages_once(A100, B, config, gaps))
+    prof = _profile(lambda: stages_once(A100, B, config, top, gaps))
     print(
         f"\n## masked, coef 100 > obs 50 (minimum norm per pixel): {s100:.2f} s "
         f"for {B.shape[1]:,} pixels ({s100 / floor_s:.0f}× floor); "
