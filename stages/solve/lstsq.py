@@ -876,11 +876,14 @@ def _per_pixel_chunk(blk: _Block, memory_budget: int, max_gaps: int | None) -> i
         # per-gap-count loops cost per batch, not per pixel.
         per_px = 8 * (12 * n_obs + 3 * coef + max_gaps * max_gaps)
         fit = chunk_size(work_share(memory_budget), per_px, minimum=1024)
-        return config.chunk_pixels or min(65536, fit)
+        return config.chunk_pixels or min(16384, fit)
     big = max(coef, n_obs) if (config.policy != "cholesky" and coef > n_obs) else coef
     per_px_bytes = 8 * (3 * big * big + 8 * n_obs + 6 * coef)
-    if blk.mom is not None:  # the spread's per-pixel factors (linalg._primal/_dual_spread)
-        per_px_bytes += 8 * (4 * coef * coef + 2 * n_obs * coef + 4 * n_obs)
+    if blk.mom is not None:  # the spread's per-pixel factors, and the moments' columns
+        dual = config.policy != "cholesky" and coef > n_obs
+        per_px_bytes += linalg.spread_bytes(
+            coef, n_obs, blk.full, config.policy == "ridge", dual, blk.device
+        )
     fit = chunk_size(work_share(memory_budget), per_px_bytes, minimum=1024)
     # 16384: measured on the masked benchmark (coef 10, obs 50), 8192 costs 8% more
     # (a fixed cost per batch), 32768 60% more (a batch's arrays leave the cache).
@@ -953,9 +956,14 @@ def _solve_batch(
             active=act,
             unit=unit,
         )
-    R = linalg.colmm_sub(B0, At, x).mul_(Vt_)
     n_v = torch.from_numpy(g.n_valid[sel].astype(np.float64)).to(device)
-    r_t = linalg.column_rms(R, n_v)
+    # compiled: the residual RMS and the moments in one read of the batch's data
+    fused = linalg.residual_moments(At, B0, Wp, x, n_v)
+    if fused is None:
+        R = linalg.colmm_sub(B0, At, x).mul_(Vt_)
+        r_t = linalg.column_rms(R, n_v)
+    else:
+        r_t = fused[0]
     r = r_t.cpu().numpy()
     xs, sts = x.cpu().numpy(), px_status.cpu().numpy()
     on: slice | np.ndarray
@@ -971,7 +979,10 @@ def _solve_batch(
     rms = np.where(np.isfinite(stored).all(axis=0), r[pick], np.inf)
     g.C[:, on], g.rms[on], blk.status[on] = stored, rms, sts[pick]
     if mom is not None and sp is not None:
-        wr, tr = _batch_moments(R, B0, Wp, n_v, r_t, sp.spans, unit)
+        if fused is None:
+            wr, tr = _batch_moments(R, B0, Wp, n_v, r_t, sp.spans, unit)
+        else:
+            wr, tr = (r_t if unit else fused[1]), torch.where(sp.spans, fused[2], fused[3])
         mom.put(
             on,
             g.C[:, on],

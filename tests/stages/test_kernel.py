@@ -1,0 +1,284 @@
+"""The compiled per-pixel kernels (stages/solve/kernel.py) against the eager torch path and numpy.
+
+Every kernel is compared with an independent computation: the eager functions in
+linalg (a different implementation of the same algorithm) and numpy formulas, under
+the agreement bound; the fallbacks (no compiler, ``eager``, a required kernel that
+cannot be built) are exercised by building in a fresh directory.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from gridsolve.schemas.kinds.solve import LstsqSolve
+from gridsolve.stages.engine.agreement import disagreements
+from gridsolve.stages.solve import kernel, linalg
+from gridsolve.stages.solve.lstsq import make_operator, solve_block
+
+# Skipped only outside CI: in CI (CI=1) a machine without a C compiler fails these.
+needs_kernel = pytest.mark.skipif(
+    kernel.name() != "c" and not os.environ.get("CI"), reason="no C compiler on this machine"
+)
+
+
+@pytest.fixture
+def eager(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Inside the test: the eager path (the library's cache is restored afterwards)."""
+    monkeypatch.setenv(kernel.ENV, "eager")
+    kernel._library.cache_clear()
+    yield
+    monkeypatch.delenv(kernel.ENV)
+    kernel._library.cache_clear()
+
+
+def _systems(n: int, p: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed Gram matrices of ``p`` random gappy systems of order ``n``, a few degenerate."""
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(3 * n + 2, n, dtype=torch.float64, generator=g)
+    W = (torch.rand(A.shape[0], p, generator=g) > 0.2).double()
+    r, c = linalg.lower_pairs(n)
+    G = ((A[:, r] * A[:, c]).T @ W).contiguous()
+    G[:, 3] = torch.nan  # a NaN pixel
+    G[:, 5] = 0.0  # an all-gap pixel
+    if n > 1:  # a rank-deficient pixel: column 1 repeats column 0
+        G[:, 7] = ((A[:, r] * A[:, c]).T @ W[:, 7]).clone()
+        G[1, 7], G[n, 7] = G[0, 7], G[0, 7]
+    h = torch.randn(n, p, dtype=torch.float64, generator=g)
+    T = torch.tril(torch.randn(n, n, dtype=torch.float64, generator=g)) + 3 * torch.eye(n)
+    return G, h, T
+
+
+def _both(G: torch.Tensor, n: int, h: torch.Tensor, T: torch.Tensor) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for how in ("eager", "c"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(kernel.ENV, how)
+            kernel._library.cache_clear()
+            Gc = G.clone()
+            ok = linalg.packed_cholesky(Gc, n)
+            L = linalg.PackedFactor(Gc, n)
+            assert L.compiled == (how == "c")
+            x = L.solve_(h.clone())
+            full = linalg._primal_spread(L, T, 0.0, True)
+            ridge = linalg._primal_spread(L, None, 0.3, False)
+            out[how] = [ok, Gc, x, full.var, full.cov, ridge.var, ridge.edf]
+    kernel._library.cache_clear()
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 10, 17])
+def test_factor_solve_and_spread_agree_with_eager(n: int) -> None:
+    p = 333  # not a multiple of the kernel's 64-pixel blocks
+    G, h, T = _systems(n, p, seed=n)
+    got = _both(G, n, h, T)
+    ok_e, ok_c = got["eager"][0], got["c"][0]
+    assert torch.equal(ok_e, ok_c)
+    assert not ok_c[3] and not ok_c[5] and (n == 1 or not ok_c[7])
+    good = ok_c.clone()
+    for e, c in zip(got["eager"][1:], got["c"][1:], strict=True):
+        e, c = e[..., good], c[..., good]
+        assert torch.isfinite(c).all()
+        scale = float(e.abs().max())
+        assert float((e - c).abs().max()) <= 1e-12 * scale
+
+
+@needs_kernel
+def test_solve_matches_numpy() -> None:
+    n, p = 6, 130
+    G, h, _ = _systems(n, p, seed=1)
+    r, c = linalg.lower_pairs(n)
+    Gc = G.clone()
+    ok = linalg.packed_cholesky(Gc, n)
+    x = linalg.PackedFactor(Gc, n).solve_(h.clone())
+    for px in torch.nonzero(ok).flatten().tolist():
+        M = np.zeros((n, n))
+        M[r.numpy(), c.numpy()] = G[:, px].numpy()
+        M = M + np.tril(M, -1).T
+        want = np.linalg.solve(M, h[:, px].numpy())
+        np.testing.assert_allclose(x[:, px].numpy(), want, rtol=1e-10, atol=1e-12)
+
+
+@needs_kernel
+def test_threads_split_pixels_without_changing_a_bit() -> None:
+    n, p = 10, 5000
+    G, h, T = _systems(n, p, seed=2)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            Gc = G.clone()
+            ok = kernel.cholesky(Gc, n, linalg.PIVOT_TOL)
+            x = kernel.solve_(Gc, n, h.clone())
+            var, Z = kernel.spread(Gc, n, T, True)
+            assert Z is not None
+            results.append([ok, Gc, x, var, Z])
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a.isnan(), b.isnan())
+            assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+def _numpy_moments(A: np.ndarray, B0: np.ndarray, W: np.ndarray, x: np.ndarray) -> list[np.ndarray]:
+    valid = W > 0
+    R = np.where(valid, B0 - A @ x, 0.0)
+    n = valid.sum(0)
+    mean = (W * B0).sum(0) / W.sum(0)
+    return [
+        np.sqrt((R**2).sum(0) / n),
+        np.sqrt((W * R**2).sum(0) / n),
+        np.sqrt(np.where(valid, W * (B0 - mean) ** 2, 0.0).sum(0) / n),
+        np.sqrt((W * B0**2).sum(0) / n),
+    ]
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 4, 10, 16])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_residual_moments_match_numpy(n: int, weighted: bool) -> None:
+    rng = np.random.default_rng(n)
+    m, p = 37, 203  # an odd row count (rows go four at a time) and a ragged last group
+    A = rng.standard_normal((m, n))
+    valid = rng.random((m, p)) > 0.25
+    W = np.where(valid, rng.random((m, p)) + 0.5 if weighted else 1.0, 0.0)
+    B0 = np.where(valid, rng.standard_normal((m, p)) * 3 + 1, 0.0)
+    x = rng.standard_normal((n, p))
+    n_v = valid.sum(0).astype(np.float64)
+    got = linalg.residual_moments(*map(torch.from_numpy, (A, B0, W, x, n_v)))
+    assert got is not None
+    for g, want in zip(got, _numpy_moments(A, B0, W, x), strict=True):
+        np.testing.assert_allclose(g.numpy(), want, rtol=1e-13)
+
+
+@needs_kernel
+def test_residual_moments_redo_extreme_columns() -> None:
+    rng = np.random.default_rng(5)
+    m, n, p = 20, 3, 40
+    A = rng.standard_normal((m, n))
+    W = np.ones((m, p))
+    B0 = rng.standard_normal((m, p))
+    B0[:, 4] *= 1e200  # squares overflow
+    B0[:, 9] *= 1e-170  # squares underflow
+    x = np.zeros((n, p))
+    got = linalg.residual_moments(*map(torch.from_numpy, (A, B0, W, x, np.full(p, float(m)))))
+    assert got is not None
+    want = np.sqrt(np.mean((B0 / np.abs(B0).max(0)) ** 2, axis=0)) * np.abs(B0).max(0)
+    np.testing.assert_allclose(got[0].numpy(), want, rtol=1e-13)
+    np.testing.assert_allclose(got[3].numpy(), want, rtol=1e-13)
+    assert np.isfinite(float(got[0][4])) and float(got[0][9]) > 0
+
+
+def test_orders_beyond_the_kernel_take_the_eager_path() -> None:
+    m, n, p = 40, kernel.MAX_ORDER + 1, 10
+    args = [torch.zeros(m, n, dtype=torch.float64), torch.zeros(m, p, dtype=torch.float64)]
+    args += [torch.ones(m, p, dtype=torch.float64), torch.zeros(n, p, dtype=torch.float64)]
+    assert linalg.residual_moments(*args, torch.full((p,), float(m))) is None
+
+
+def _masked_cube(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    t = np.linspace(-1, 1, 30)
+    A = np.vander(t, 6, increasing=True)
+    B = (A @ rng.standard_normal((6, 700)) + 0.1 * rng.standard_normal((30, 700))).astype(
+        np.float32
+    )
+    B[rng.random(B.shape) < 0.2] = np.nan
+    B[:, :3] = np.nan  # all missing
+    return A, B
+
+
+def _run(A: np.ndarray, B: np.ndarray, config: LstsqSolve) -> dict[str, np.ndarray]:
+    svd = np.linalg.svd(A, full_matrices=False)
+    op = make_operator(A, np.ones(A.shape[0]), config, svd)
+    out = solve_block(B, op, config, memory_budget=2**30)
+    assert out.meta["paths"]["per_pixel"] > 600
+    return dict(out.arrays)
+
+
+@needs_kernel
+@pytest.mark.parametrize("uncertainty", ["none", "stderr", "cov"])
+def test_solve_stage_agrees_with_the_eager_path_and_lstsq(
+    uncertainty: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    A, B = _masked_cube(3)
+    config = LstsqSolve(policy="minnorm", dtype="float64", uncertainty=uncertainty)
+    compiled = _run(A, B, config)
+    monkeypatch.setenv(kernel.ENV, "eager")
+    kernel._library.cache_clear()
+    try:
+        reference = _run(A, B, config)
+    finally:
+        monkeypatch.delenv(kernel.ENV)
+        kernel._library.cache_clear()
+    assert disagreements(compiled, reference) == []
+    C = compiled["coefficients"]
+    for p in range(3, 700, 37):
+        ok = np.isfinite(B[:, p])
+        want = np.linalg.lstsq(A[ok], B[ok, p].astype(np.float64), rcond=None)[0]
+        np.testing.assert_allclose(C[:, p], want, rtol=1e-10, atol=1e-12)
+        r = B[ok, p] - A[ok] @ C[:, p]
+        assert compiled["residual_rms"][p] == pytest.approx(np.sqrt(np.mean(r**2)), rel=1e-10)
+
+
+def test_eager_choice_builds_nothing(eager: None) -> None:
+    assert kernel.name() == "eager"
+    assert not kernel.usable(torch.zeros(2, 2, dtype=torch.float64))
+
+
+def test_missing_compiler_falls_back_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv(kernel.DIR_ENV, str(tmp_path))
+    kernel._library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no C compiler found"):
+            assert kernel.name() == "eager"
+        # the eager path still solves
+        A, B = _masked_cube(4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            out = _run(A, B, LstsqSolve(policy="minnorm", dtype="float64"))
+        assert np.isfinite(out["coefficients"][:, 3:]).all()
+        monkeypatch.setenv(kernel.ENV, "c")
+        kernel._library.cache_clear()
+        with pytest.raises(kernel.KernelUnavailable, match="Install a C compiler"):
+            kernel.name()
+    finally:
+        monkeypatch.delenv("CC")
+        monkeypatch.delenv(kernel.ENV, raising=False)
+        kernel._library.cache_clear()
+
+
+def test_a_wrong_choice_names_the_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernel.ENV, "fast")
+    with pytest.raises(ValueError, match="auto, c or eager"):
+        kernel.choice()
+
+
+@needs_kernel
+def test_a_fresh_directory_gets_a_fresh_build(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    from pathlib import Path
+
+    where = Path(str(tmp_path)) / "kernels"
+    monkeypatch.setenv(kernel.DIR_ENV, str(where))
+    kernel._library.cache_clear()
+    try:
+        assert kernel.name() == "c"
+        built = list(where.glob("gridsolve-solve-*.so"))
+        assert len(built) == 1 and built[0].stat().st_size > 0
+        assert not [p for p in where.iterdir() if p.is_dir()]  # no build leftovers
+    finally:
+        monkeypatch.delenv(kernel.DIR_ENV)
+        kernel._library.cache_clear()
