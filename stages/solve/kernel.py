@@ -62,6 +62,11 @@ ENV = "GRIDSOLVE_SOLVE_KERNEL"
 DIR_ENV = "GRIDSOLVE_KERNEL_DIR"
 #: Pixels per block: a coef-10 factor block (55 × 64 doubles) fits the L1 cache.
 BLOCK = 64
+#: Fewest pixels per thread: handing a range to the pool costs about as much as
+#: factoring a few hundred pixels (the dual's gap groups are often that small).
+MIN_PART = 2048
+#: The most gaps per pixel that :func:`gap_solve` takes.
+MAX_GAPS = 64
 #: The largest order (coefficients) that the residual kernel takes:
 #: they keep a pixel's coefficients in registers.
 MAX_ORDER = 16
@@ -79,14 +84,21 @@ SOURCE = r"""
 #endif
 
 #define BW 64
+/* the most gaps gs_gap_solve takes (its scratch is on the stack) */
+#define NMAX_GAP 64
 
 /* Entry (r, j), r >= j, of a lower triangle packed column after column. */
 static inline long at(long r, long j, long n) { return j * n - j * (j - 1) / 2 + (r - j); }
 
-/* Packed Cholesky in place, pixels [p0, p1) of G (n(n+1)/2, P): linalg.packed_cholesky.
-   ok[p] = 1 where every pivot exceeds tol times its diagonal entry (and the
-   smallest normal double). Returns -1 when out of memory. */
-GS_API int gs_cholesky(long n, long P, double *G, unsigned char *ok, double tol, long p0, long p1)
+/* Entry (r, j), r >= j, of a factor: packed (sq 0) or square n x n row-major (sq 1). */
+static inline long ix(long r, long j, long n, long sq) { return sq ? r * n + j : at(r, j, n); }
+
+/* Cholesky in place, pixels [p0, p1) of G: packed (n(n+1)/2, P), linalg.packed_cholesky,
+   or square (n, n, P) with sq, linalg.batched_cholesky (its lower triangle becomes the
+   factor; the upper is left alone). ok[p] = 1 where every pivot exceeds tol times its
+   diagonal entry (and the smallest normal double). Returns -1 when out of memory. */
+GS_API int gs_cholesky(long n, long sq, long P, double *G, unsigned char *ok, double tol, long p0,
+                       long p1)
 {
     double *diag = malloc(sizeof(double) * (size_t)(n * BW));
     if (!diag) return -1;
@@ -95,14 +107,14 @@ GS_API int gs_cholesky(long n, long P, double *G, unsigned char *ok, double tol,
         unsigned char *restrict okb = ok + b0;
         for (long p = 0; p < w; ++p) okb[p] = 1;
         for (long j = 0; j < n; ++j) {
-            const double *restrict g = G + at(j, j, n) * P + b0;
+            const double *restrict g = G + ix(j, j, n, sq) * P + b0;
             double *restrict d = diag + j * BW;
             for (long p = 0; p < w; ++p) d[p] = g[p];
         }
         for (long j = 0; j < n; ++j) {
             double piv[BW];
             const double *restrict d = diag + j * BW;
-            const double *restrict gjj = G + at(j, j, n) * P + b0;
+            const double *restrict gjj = G + ix(j, j, n, sq) * P + b0;
             for (long p = 0; p < w; ++p) {
                 double d2 = gjj[p], lim = tol * d[p];
                 /* torch: d2 > clamp_min(tol * diag, tiny); NaN compares false */
@@ -110,14 +122,14 @@ GS_API int gs_cholesky(long n, long P, double *G, unsigned char *ok, double tol,
                 piv[p] = 1.0 / sqrt(isnan(d2) ? d2 : (d2 > DBL_MIN ? d2 : DBL_MIN));
             }
             for (long r = j; r < n; ++r) {
-                double *restrict g = G + at(r, j, n) * P + b0;
+                double *restrict g = G + ix(r, j, n, sq) * P + b0;
                 for (long p = 0; p < w; ++p) g[p] *= piv[p];
             }
             for (long c = j + 1; c < n; ++c) {
-                const double *restrict lc = G + at(c, j, n) * P + b0;
+                const double *restrict lc = G + ix(c, j, n, sq) * P + b0;
                 for (long r = c; r < n; ++r) {
-                    double *restrict dst = G + at(r, c, n) * P + b0;
-                    const double *restrict lr = G + at(r, j, n) * P + b0;
+                    double *restrict dst = G + ix(r, c, n, sq) * P + b0;
+                    const double *restrict lr = G + ix(r, j, n, sq) * P + b0;
                     for (long p = 0; p < w; ++p) dst[p] -= lr[p] * lc[p];
                 }
             }
@@ -128,36 +140,60 @@ GS_API int gs_cholesky(long n, long P, double *G, unsigned char *ok, double tol,
 }
 
 /* Solve L Lt x = h in place for the w pixels from b0: h's rows are hs apart. */
-static inline void solve_block(long n, long P, const double *G, long b0, long w, double *h, long hs)
+static inline void solve_block(long n, long sq, long P, const double *G, long b0, long w,
+                               double *h, long hs)
 {
     for (long i = 0; i < n; ++i) {
         double *restrict hi = h + i * hs;
-        const double *restrict lii = G + at(i, i, n) * P + b0;
+        const double *restrict lii = G + ix(i, i, n, sq) * P + b0;
         for (long p = 0; p < w; ++p) hi[p] /= lii[p];
         for (long r = i + 1; r < n; ++r) {
             double *restrict hr = h + r * hs;
-            const double *restrict l = G + at(r, i, n) * P + b0;
+            const double *restrict l = G + ix(r, i, n, sq) * P + b0;
             for (long p = 0; p < w; ++p) hr[p] -= l[p] * hi[p];
         }
     }
     for (long i = n - 1; i >= 0; --i) {
         double *restrict hi = h + i * hs;
-        const double *restrict lii = G + at(i, i, n) * P + b0;
+        const double *restrict lii = G + ix(i, i, n, sq) * P + b0;
         for (long p = 0; p < w; ++p) hi[p] /= lii[p];
         for (long k = 0; k < i; ++k) {
             double *restrict hk = h + k * hs;
-            const double *restrict l = G + at(i, k, n) * P + b0;
+            const double *restrict l = G + ix(i, k, n, sq) * P + b0;
             for (long p = 0; p < w; ++p) hk[p] -= l[p] * hi[p];
         }
     }
 }
 
-/* Solve L Lt x = h in place, pixels [p0, p1) of h (n, P): linalg.PackedFactor.solve_. */
-GS_API void gs_solve(long n, long P, const double *G, double *h, long p0, long p1)
+/* Solve L Lt x = h in place, pixels [p0, p1) of h (n, P), L packed or square (sq):
+   linalg.PackedFactor.solve_, linalg.cholesky_solve. */
+GS_API void gs_solve(long n, long sq, long P, const double *G, double *h, long p0, long p1)
 {
     for (long b0 = p0; b0 < p1; b0 += BW) {
         long w = p1 - b0 < BW ? p1 - b0 : BW;
-        solve_block(n, P, G, b0, w, h + b0, P);
+        solve_block(n, sq, P, G, b0, w, h + b0, P);
+    }
+}
+
+/* The gap-wise dual's solve (linalg._dual_schur) for pixels [p0, p1) of a group of np
+   pixels with k gaps each, which are columns a + p of u and Z (P columns, row-major):
+   Z[rows[i][p]][a + p] = ((L L^T)^-1 h)[i] with h[i] = u[rows[i][p]][a + p], L square
+   (k, k, np), rows (k, np). */
+GS_API void gs_gap_solve(long k, long np, const double *L, const long *rows, const double *u,
+                         double *Z, long P, long a, long p0, long p1)
+{
+    double h[NMAX_GAP * BW];
+    for (long b0 = p0; b0 < p1; b0 += BW) {
+        long w = p1 - b0 < BW ? p1 - b0 : BW;
+        for (long i = 0; i < k; ++i) {
+            const long *restrict ri = rows + i * np + b0;
+            for (long p = 0; p < w; ++p) h[i * BW + p] = u[ri[p] * P + a + b0 + p];
+        }
+        solve_block(k, 1, np, L, b0, w, h, BW);
+        for (long i = 0; i < k; ++i) {
+            const long *restrict ri = rows + i * np + b0;
+            for (long p = 0; p < w; ++p) Z[ri[p] * P + a + b0 + p] = h[i * BW + p];
+        }
     }
 }
 
@@ -436,12 +472,14 @@ def _build(cc: str, where: Path) -> Path:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     L, D, V = ctypes.c_long, ctypes.c_double, ctypes.c_void_p
-    lib.gs_cholesky.argtypes = [L, L, V, V, D, L, L]
+    lib.gs_cholesky.argtypes = [L, L, L, V, V, D, L, L]
     lib.gs_cholesky.restype = ctypes.c_int
-    lib.gs_solve.argtypes = [L, L, V, V, L, L]
+    lib.gs_solve.argtypes = [L, L, L, V, V, L, L]
     lib.gs_solve.restype = None
     lib.gs_spread.argtypes = [L, L, V, V, V, V, L, L]
     lib.gs_spread.restype = ctypes.c_int
+    lib.gs_gap_solve.argtypes = [L, L, V, V, V, V, L, L, L, L]
+    lib.gs_gap_solve.restype = None
     lib.gs_moments.argtypes = [L, L, L, V, V, V, V, V, V, V, V, L, L]
     lib.gs_moments.restype = ctypes.c_int
     return lib
@@ -489,8 +527,8 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 
 def _parts(p: int) -> list[tuple[int, int]]:
-    """Pixel ranges for torch's threads, in whole blocks."""
-    threads = max(1, min(torch.get_num_threads(), math.ceil(p / (4 * BLOCK))))
+    """Pixel ranges for torch's threads, in whole blocks, at least :data:`MIN_PART` pixels each."""
+    threads = max(1, min(torch.get_num_threads(), p // MIN_PART))
     step = math.ceil(math.ceil(p / threads) / BLOCK) * BLOCK
     return [(s, min(s + step, p)) for s in range(0, p, step)]
 
@@ -510,22 +548,44 @@ def _run(fn: Callable[..., object], args: tuple[object, ...], p: int) -> None:
         raise MemoryError("the solve kernel could not allocate its scratch")
 
 
-def cholesky(G: torch.Tensor, n: int, tol: float) -> torch.Tensor:
-    """:func:`linalg.packed_cholesky` by the kernel: ``G`` factored in place; which pixels did."""
+def cholesky(G: torch.Tensor, n: int, tol: float, square: bool = False) -> torch.Tensor:
+    """``G`` factored in place by the kernel; which pixels factored well.
+
+    :func:`linalg.packed_cholesky`, or with ``square`` (G: n × n × P)
+    :func:`linalg.batched_cholesky`.
+    """
     lib = _library()
     assert lib is not None
-    p = G.shape[1]
+    p = G.shape[-1]
     ok = torch.empty(p, dtype=torch.bool)
-    _run(lib.gs_cholesky, (n, p, G.data_ptr(), ok.data_ptr(), tol), p)
+    _run(lib.gs_cholesky, (n, int(square), p, G.data_ptr(), ok.data_ptr(), tol), p)
     return ok
 
 
-def solve_(G: torch.Tensor, n: int, h: torch.Tensor) -> torch.Tensor:
-    """:meth:`linalg.PackedFactor.solve_` by the kernel: ``h`` (n, P) solved in place."""
+def solve_(G: torch.Tensor, n: int, h: torch.Tensor, square: bool = False) -> torch.Tensor:
+    """``h`` (n, P) solved in place by the kernel.
+
+    :meth:`linalg.PackedFactor.solve_`, or with ``square`` :func:`linalg.cholesky_solve`.
+    """
     lib = _library()
     assert lib is not None
-    _run(lib.gs_solve, (n, h.shape[1], G.data_ptr(), h.data_ptr()), h.shape[1])
+    _run(lib.gs_solve, (n, int(square), h.shape[1], G.data_ptr(), h.data_ptr()), h.shape[1])
     return h
+
+
+def gap_solve(
+    L: torch.Tensor, rows: torch.Tensor, u: torch.Tensor, Z: torch.Tensor, a: int
+) -> None:
+    """:func:`linalg._dual_schur`'s solve of one gap group, gathering and scattering in one pass.
+
+    For the group's pixels (columns ``a`` on of ``u`` and ``Z``, both contiguous):
+    ``Z[rows] = (L Lᵀ)⁻¹ u[rows]``; ``L`` (k, k, n), ``rows`` (k, n) int64.
+    """
+    lib = _library()
+    assert lib is not None
+    k, n = rows.shape
+    args = (k, n, L.data_ptr(), rows.data_ptr(), u.data_ptr(), Z.data_ptr(), u.shape[1], a)
+    _run(lib.gs_gap_solve, args, n)
 
 
 def spread(

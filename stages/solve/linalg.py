@@ -329,6 +329,8 @@ def batched_cholesky(G: torch.Tensor, tol: float = PIVOT_TOL) -> tuple[torch.Ten
     goes to the SVD path.
     """
     n, _, p = G.shape
+    if kernel.usable(G):
+        return G, kernel.cholesky(G, n, tol, square=True)
     diag = torch.diagonal(G, dim1=0, dim2=1).T.clone()  # (n, P), before factoring
     ok = torch.ones(p, dtype=torch.bool, device=G.device)
     tiny = torch.finfo(G.dtype).tiny
@@ -347,6 +349,8 @@ def batched_cholesky(G: torch.Tensor, tol: float = PIVOT_TOL) -> tuple[torch.Ten
 def cholesky_solve(L: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """Solve ``L Lᵀ x = h`` for every pixel, in place in ``h``: L (n, n, P), h (n, P)."""
     n = L.shape[0]
+    if kernel.usable(L, h):
+        return kernel.solve_(L, n, h, square=True)
     for i in range(n):
         h[i] /= L[i, i]
         if i + 1 < n:
@@ -630,11 +634,16 @@ def _dual_schur(
             r0 += k * n
         s0 += n
 
+    compiled = kernel.usable(H, B0s)
+
     def apply(r: torch.Tensor) -> torch.Tensor:
         """``M_vv⁻¹ r_v`` per pixel (``r`` zero on missing rows), zero on missing rows."""
-        u = colmm(H, r)
+        u = colmm(H, r).contiguous()
         Z = torch.zeros_like(u)
         for a, b, rows, L in groups:
+            if compiled and L.shape[0] <= kernel.MAX_GAPS:  # gather, solve, scatter in one pass
+                kernel.gap_solve(L, rows, u, Z, a)
+                continue
             y = cholesky_solve(L, torch.gather(u[:, a:b], 0, rows))
             Z[:, a:b].scatter_(0, rows, y)
         return colmm_sub(u, H, Z, in_place=True).mul_(on)

@@ -282,3 +282,59 @@ def test_a_fresh_directory_gets_a_fresh_build(
     finally:
         monkeypatch.delenv(kernel.DIR_ENV)
         kernel._library.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 4, 11])
+def test_square_factor_and_solve_agree_with_eager(n: int) -> None:
+    """The square layout (the dual paths' k × k and obs × obs systems) against eager and numpy."""
+    p = 150
+    Gp, h, _ = _systems(n, p, seed=10 + n)
+    r, c = linalg.lower_pairs(n)
+    G = torch.zeros(n, n, p, dtype=torch.float64)
+    G[r, c], G[c, r] = Gp, Gp
+    got = {}
+    for how in ("eager", "c"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(kernel.ENV, how)
+            kernel._library.cache_clear()
+            L, ok = linalg.batched_cholesky(G.clone())
+            got[how] = (ok, torch.tril(L.permute(2, 0, 1)), linalg.cholesky_solve(L, h.clone()))
+    kernel._library.cache_clear()
+    assert torch.equal(got["eager"][0], got["c"][0])
+    good = got["c"][0]
+    for e, k in zip(got["eager"][1:], got["c"][1:], strict=True):
+        e, k = e[good] if e.dim() == 3 else e[:, good], k[good] if k.dim() == 3 else k[:, good]
+        assert float((e - k).abs().max()) <= 1e-12 * float(e.abs().max())
+    for px in torch.nonzero(good).flatten().tolist()[:20]:
+        want = np.linalg.solve(G[:, :, px].numpy(), h[:, px].numpy())
+        np.testing.assert_allclose(got["c"][2][:, px].numpy(), want, rtol=1e-10, atol=1e-12)
+
+
+@needs_kernel
+def test_gapwise_dual_agrees_with_the_eager_path_and_lstsq(monkeypatch: pytest.MonkeyPatch) -> None:
+    """coef > obs with gaps: the dual by gap groups (gs_gap_solve and the square factors)."""
+    rng = np.random.default_rng(8)
+    A = rng.standard_normal((30, 45))
+    B = rng.standard_normal((30, 900)).astype(np.float32)
+    B[rng.random(B.shape) < 0.2] = np.nan
+    config = LstsqSolve(policy="minnorm", dtype="float64")
+    compiled = _run(A, B, config)
+    monkeypatch.setenv(kernel.ENV, "eager")
+    kernel._library.cache_clear()
+    try:
+        reference = _run(A, B, config)
+    finally:
+        monkeypatch.delenv(kernel.ENV)
+        kernel._library.cache_clear()
+    # A minimum-norm fit with coef > obs interpolates: its residual RMS is rounding noise
+    # (≈ 1e-16), which no relative bound holds between two computations; both must be
+    # that small against the data instead.
+    scale = float(np.nanmax(np.abs(B)))
+    for out in (compiled, reference):
+        assert float(np.nanmax(out.pop("residual_rms"))) <= 1e-12 * scale
+    assert disagreements(compiled, reference) == []
+    for p in range(0, 900, 41):
+        ok = np.isfinite(B[:, p])
+        want = np.linalg.lstsq(A[ok], B[ok, p].astype(np.float64), rcond=None)[0]
+        np.testing.assert_allclose(compiled["coefficients"][:, p], want, rtol=1e-9, atol=1e-12)
