@@ -53,6 +53,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 #: Choice of kernel: ``auto`` (C where it builds, else eager), ``c`` (C, or an
@@ -197,6 +198,59 @@ GS_API void gs_gap_solve(long k, long np, const double *L, const long *rows, con
     }
 }
 
+/* lstsq._statistics for pixels [p0, p1), each pixel's coefficients C (rows cs apart) and
+   unscaled variances var (rows vs apart): standard errors and t (rows os apart), dof,
+   R² and flags. A pixel is solved when its status is one of ok[0..2] and its
+   coefficients are finite. dof = n − edf, rounded to an integer within 1e-6 unless
+   ridge or the pixel fell back to ridge (status fell); sigma = wrms √(n/dof) (scaled)
+   or 1; stderr = √var · sigma; t = C / stderr; R² = 1 − (wrms/trms)²; flags: 1 a
+   coefficient not identifiable (NaN var), 2 no dof, 4 not solved. */
+GS_API void gs_statistics(long coef, const double *C, long cs, const signed char *status,
+                          const int *n_valid, const double *wrms, const double *trms,
+                          const double *var, long vs, const double *edf, long ridge, long scaled,
+                          const signed char *okc, signed char fell, double *se, double *t, long os,
+                          double *dof_out, double *r2, signed char *flags, long p0, long p1)
+{
+    for (long b0 = p0; b0 < p1; b0 += BW) {
+        long w = p1 - b0 < BW ? p1 - b0 : BW;
+        double sig[BW], fin[BW], nan[BW];
+        for (long p = 0; p < w; ++p) fin[p] = 1.0, nan[p] = 0.0;
+        for (long k = 0; k < coef; ++k) {
+            const double *restrict c = C + k * cs + b0, *restrict v = var + k * vs + b0;
+            for (long p = 0; p < w; ++p) {
+                fin[p] = (c[p] - c[p] == 0.0) ? fin[p] : 0.0; /* inf - inf and NaN: not 0 */
+                nan[p] = (v[p] != v[p]) ? 1.0 : nan[p];
+            }
+        }
+        for (long p = 0; p < w; ++p) {
+            signed char st = status[b0 + p];
+            int solved = (st == okc[0] || st == okc[1] || st == okc[2]) && fin[p] > 0.5;
+            double n = (double)n_valid[b0 + p];
+            double dof = solved ? n - edf[b0 + p] : NAN;
+            if (!ridge) {
+                double whole = rint(dof);
+                if (fabs(dof - whole) <= 1e-6 && st != fell) dof = whole;
+                dof = dof + 0.0; /* no -0 */
+            }
+            sig[p] = scaled ? ((solved && dof > 0) ? wrms[b0 + p] * sqrt(n / dof) : NAN)
+                            : (solved ? 1.0 : NAN);
+            double q = wrms[b0 + p] / trms[b0 + p];
+            r2[b0 + p] = solved ? 1.0 - q * q : NAN;
+            dof_out[b0 + p] = dof;
+            flags[b0 + p] = (signed char)(solved ? (nan[p] > 0.5) + 2 * !(dof > 0) : 4);
+        }
+        for (long k = 0; k < coef; ++k) {
+            const double *restrict c = C + k * cs + b0, *restrict v = var + k * vs + b0;
+            double *restrict e = se + k * os + b0, *restrict tk = t + k * os + b0;
+            for (long p = 0; p < w; ++p) {
+                double x = sqrt(v[p]) * sig[p];
+                e[p] = x;
+                tk[p] = c[p] / x;
+            }
+        }
+    }
+}
+
 /* Z = L^-1 T per pixel (T: n x n lower triangular, row-major, shared; NULL: the
    identity) and var[k] = sum_i Z[i][k]^2, pixels [p0, p1): linalg._primal_spread.
    Z (n, n, P) is written when given (zeros above the diagonal). Returns -1 when
@@ -226,10 +280,12 @@ GS_API int gs_spread(long n, long P, const double *G, const double *T, double *Z
         }
         for (long i = 0; i < n; ++i) {
             const double *restrict lii = G + at(i, i, n) * P + b0;
+            double inv[BW];
+            for (long p = 0; p < w; ++p) inv[p] = 1.0 / lii[p];
             for (long k = 0; k <= i; ++k) {
                 double *restrict zi = base + i * rs + k * cs;
                 double *restrict v = var + k * P + b0;
-                for (long p = 0; p < w; ++p) zi[p] /= lii[p];
+                for (long p = 0; p < w; ++p) zi[p] *= inv[p];
                 for (long r = i + 1; r < n; ++r) {
                     double *restrict zr = base + r * rs + k * cs;
                     const double *restrict l = G + at(r, i, n) * P + b0;
@@ -478,6 +534,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gs_solve.restype = None
     lib.gs_spread.argtypes = [L, L, V, V, V, V, L, L]
     lib.gs_spread.restype = ctypes.c_int
+    lib.gs_statistics.argtypes = [L, V, L, V, V, V, V, V, L, V, L, L, V, ctypes.c_byte]
+    lib.gs_statistics.argtypes += [V, V, L, V, V, V, L, L]
+    lib.gs_statistics.restype = None
     lib.gs_gap_solve.argtypes = [L, L, V, V, V, V, L, L, L, L]
     lib.gs_gap_solve.restype = None
     lib.gs_moments.argtypes = [L, L, L, V, V, V, V, V, V, V, V, L, L]
@@ -586,6 +645,67 @@ def gap_solve(
     k, n = rows.shape
     args = (k, n, L.data_ptr(), rows.data_ptr(), u.data_ptr(), Z.data_ptr(), u.shape[1], a)
     _run(lib.gs_gap_solve, args, n)
+
+
+def _rows(a: np.ndarray, dtype: type) -> int:
+    """The row stride, in elements, of a 2-D array whose rows are contiguous."""
+    assert a.dtype == dtype and a.ndim == 2 and a.strides[1] == a.itemsize
+    return a.strides[0] // a.itemsize
+
+
+def statistics(
+    C: np.ndarray,
+    status: np.ndarray,
+    n_valid: np.ndarray,
+    wrms: np.ndarray,
+    trms: np.ndarray,
+    var: np.ndarray,
+    edf: np.ndarray,
+    ridge: bool,
+    scaled: bool,
+    ok_codes: tuple[int, int, int],
+    fell_back_ridge: int,
+    out: dict[str, np.ndarray],
+) -> None:
+    """:func:`lstsq._statistics` (without covariance) of P pixels, into ``out``'s arrays.
+
+    ``C``, ``var`` (coef, P) float64 and ``out``'s ``coef_stderr``, ``t_value``
+    (coef, P) float64 may be views whose rows are not adjacent; ``status`` (P,) int8,
+    ``n_valid`` int32, ``wrms``, ``trms``, ``edf`` float64 and ``out``'s ``dof``,
+    ``r2`` (float64) and ``uncertainty_flags`` (int8) are contiguous.
+    """
+    lib = _library()
+    assert lib is not None
+    p = C.shape[1]
+    se, t = out["coef_stderr"], out["t_value"]
+    assert _rows(se, np.float64) == _rows(t, np.float64)
+    vectors = [status, n_valid, wrms, trms, edf, out["dof"], out["r2"], out["uncertainty_flags"]]
+    assert all(v.flags.c_contiguous and v.shape == (p,) for v in vectors)
+    assert status.dtype == np.int8 and n_valid.dtype == np.int32
+    codes = np.asarray(ok_codes, dtype=np.int8)
+    args = (
+        C.shape[0],
+        C.ctypes.data,
+        _rows(C, np.float64),
+        status.ctypes.data,
+        n_valid.ctypes.data,
+        wrms.ctypes.data,
+        trms.ctypes.data,
+        var.ctypes.data,
+        _rows(var, np.float64),
+        edf.ctypes.data,
+        int(ridge),
+        int(scaled),
+        codes.ctypes.data,
+        fell_back_ridge,
+        se.ctypes.data,
+        t.ctypes.data,
+        _rows(se, np.float64),
+        out["dof"].ctypes.data,
+        out["r2"].ctypes.data,
+        out["uncertainty_flags"].ctypes.data,
+    )
+    _run(lib.gs_statistics, args, p)
 
 
 def spread(

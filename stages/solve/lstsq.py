@@ -49,7 +49,7 @@ from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_de
 from gridsolve.stages.engine.store import Artifact, StageOutput
 from gridsolve.stages.load import patterns
 from gridsolve.stages.load.contract import pixel_name
-from gridsolve.stages.solve import linalg
+from gridsolve.stages.solve import kernel, linalg
 
 STAGE = "solve/lstsq"
 
@@ -449,6 +449,9 @@ class _Moments:
         With their weighted residual and data RMS and their unscaled spread;
         ``var``/``cov`` without a pixel axis are shared by all of them.
         """
+        if cov is None and self._put_compiled(idx, C, n_valid, status, wrms, trms, var, edf):
+            self.done[idx] = True
+            return
         unknown = np.full(C.shape[1], np.nan)
         stats = _statistics(
             C,
@@ -464,6 +467,65 @@ class _Moments:
         for name, values in stats.items():
             self.out[name][..., idx] = values
         self.done[idx] = True
+
+    def _put_compiled(
+        self,
+        idx: np.ndarray | slice,
+        C: np.ndarray,
+        n_valid: np.ndarray,
+        status: np.ndarray,
+        wrms: np.ndarray | None,
+        trms: np.ndarray | None,
+        var: np.ndarray,
+        edf: np.ndarray | float,
+    ) -> bool:
+        """:meth:`put` by the compiled kernel, where it applies; whether it did.
+
+        It applies to per-pixel moments without covariance, and writes straight into
+        the outputs when they are float64 and ``idx`` is a slice.
+        """
+        if (
+            "coef_cov" in self.out
+            or wrms is None
+            or trms is None
+            or var.ndim != 2
+            or not isinstance(edf, np.ndarray)
+            or kernel.name() != "c"
+        ):
+            return False
+        p = C.shape[1]
+
+        def rows(a: np.ndarray) -> np.ndarray:
+            a = a.astype(np.float64, copy=False)
+            return a if a.strides[1] == a.itemsize else np.ascontiguousarray(a)
+
+        direct = isinstance(idx, slice) and self.out["coef_stderr"].dtype == np.float64
+        names = ("coef_stderr", "t_value", "dof", "r2", "uncertainty_flags")
+        if direct:
+            dest = {name: self.out[name][..., idx] for name in names}
+        else:
+            dest = {
+                name: np.empty_like(self.out[name][..., :p], dtype=np.float64) for name in names
+            }
+            dest["uncertainty_flags"] = np.empty(p, dtype=np.int8)
+        kernel.statistics(
+            rows(C),
+            np.ascontiguousarray(status, dtype=np.int8),
+            np.ascontiguousarray(n_valid, dtype=np.int32),
+            np.ascontiguousarray(wrms, dtype=np.float64),
+            np.ascontiguousarray(trms, dtype=np.float64),
+            rows(var),
+            np.ascontiguousarray(edf, dtype=np.float64),
+            self.config.policy == "ridge",
+            self.config.cov_scale == "residual",
+            (linalg.OK, linalg.FELL_BACK_RIDGE, linalg.FELL_BACK_MINNORM),
+            linalg.FELL_BACK_RIDGE,
+            dest,
+        )
+        if not direct:
+            for name, values in dest.items():
+                self.out[name][..., idx] = values
+        return True
 
     def finish(self, C: np.ndarray, status: np.ndarray) -> dict[str, np.ndarray]:
         """The results of every pixel: those no path filled have NaN and their flags."""

@@ -338,3 +338,41 @@ def test_gapwise_dual_agrees_with_the_eager_path_and_lstsq(monkeypatch: pytest.M
         ok = np.isfinite(B[:, p])
         want = np.linalg.lstsq(A[ok], B[ok, p].astype(np.float64), rcond=None)[0]
         np.testing.assert_allclose(compiled["coefficients"][:, p], want, rtol=1e-9, atol=1e-12)
+
+
+@needs_kernel
+@pytest.mark.parametrize("policy", ["minnorm", "ridge"])
+@pytest.mark.parametrize("cov_scale", ["residual", "unscaled"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_statistics_equal_the_numpy_ones(policy: str, cov_scale: str, dtype: str) -> None:
+    """The per-pixel path's statistics (gs_statistics) against lstsq._statistics, bit for bit:
+    both are the same correctly rounded IEEE operations."""
+    from gridsolve.stages.solve import lstsq
+
+    rng = np.random.default_rng(11)
+    coef, p = 4, 301
+    config = LstsqSolve(
+        policy=policy, dtype=dtype, uncertainty="stderr", cov_scale=cov_scale, ridge=0.1
+    )
+    C = rng.standard_normal((coef, p)).astype(dtype)
+    C[1, 7] = np.nan  # not solved: a coefficient is not finite
+    n_valid = rng.integers(3, 40, p).astype(np.int32)
+    n_valid[:5] = coef  # no dof left
+    status = np.zeros(p, dtype=np.int8)
+    status[10:20] = linalg.FELL_BACK_RIDGE
+    status[20:25] = linalg.FELL_BACK_MINNORM
+    status[25:30] = linalg.SINGULAR
+    wrms, trms = rng.random(p) + 0.1, rng.random(p) + 0.5
+    var = rng.random((coef, p))
+    var[2, 40:45] = np.nan  # not identifiable
+    edf = np.full(p, float(coef))
+    edf[50:60] += rng.uniform(-1e-7, 1e-7, 10)  # rounding of the effective rank
+    edf[60:70] = coef - rng.random(10)  # a ridge-shrunk rank
+    want = lstsq._statistics(C, n_valid, status, wrms, trms, var, edf, None, config)
+    for idx in (slice(0, p), np.arange(p)):
+        mom = lstsq._Moments(coef, p, config)
+        mom.put(idx, C, n_valid, status, wrms, trms, var, edf, None)
+        assert mom.done.all()
+        for name, values in want.items():
+            np.testing.assert_array_equal(mom.out[name], values, err_msg=name)
+            assert mom.out[name].dtype == values.dtype
