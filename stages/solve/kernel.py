@@ -176,6 +176,23 @@ GS_API void gs_solve(long n, long sq, long P, const double *G, double *h, long p
     }
 }
 
+/* B0 = src where finite, else 0, as double (torch's nan_to_num(0, 0, 0) after the
+   conversion), rows [0, m), columns [p0, p1); src rows are `stride` elements apart. */
+#define GS_LOAD(NAME, T)                                                                    \
+    GS_API void NAME(long m, long P, const T *src, long stride, double *B0, long p0, long p1) \
+    {                                                                                       \
+        for (long t = 0; t < m; ++t) {                                                      \
+            const T *restrict s = src + t * stride;                                         \
+            double *restrict b = B0 + t * P;                                                \
+            for (long p = p0; p < p1; ++p) {                                                \
+                double x = (double)s[p];                                                    \
+                b[p] = (x - x == 0.0) ? x : 0.0; /* NaN and inf give NaN */                 \
+            }                                                                               \
+        }                                                                                   \
+    }
+GS_LOAD(gs_load_f32, float)
+GS_LOAD(gs_load_f64, double)
+
 /* The gap-wise dual's solve (linalg._dual_schur) for pixels [p0, p1) of a group of np
    pixels with k gaps each, which are columns a + p of u and Z (P columns, row-major):
    Z[rows[i][p]][a + p] = ((L L^T)^-1 h)[i] with h[i] = u[rows[i][p]][a + p], L square
@@ -364,17 +381,33 @@ AIT vd sel_SFX(vi c, vd a, vd b) { return (vd)(((vi)a & c) | ((vi)b & ~c)); }
         }                                                                                   \
     }
 
+#define SS_SFX(R)                                                                           \
+    {                                                                                       \
+        vd r[R];                                                                            \
+        RES_SFX(R)                                                                          \
+        for (int u = 0; u < R; ++u) {                                                       \
+            vd rr = r[u] * r[u];                                                            \
+            ss += sel_SFX(ld_SFX(W + (t + u) * bs) > 0.0, rr, zero);                        \
+        }                                                                                   \
+    }
+
 /* Sums over the rows of VL pixels with weights W (W > 0: valid), r = B0 - A x:
-   out[0] of r^2 where valid, out[1] of W r^2, out[2] of W (b - mean)^2 about the
-   weighted mean, out[3] of W b^2. */
+   out[0] of r^2 where valid and, with full, out[1] of W r^2, out[2] of W (b - mean)^2
+   about the weighted mean, out[3] of W b^2. */
 AIT void moments_SFX(const long n, long m, const double *A, const double *B0, const double *W,
-                     long bs, const double *x, long xs, vd out[4])
+                     long bs, const double *x, long xs, long full, vd out[4])
 {
     vd xr[NMAX];
     const vd zero = {0};
     vd ss = zero, wss = zero, sw = zero, swb = zero, uss = zero, tss = zero;
     for (long k = 0; k < n; ++k) xr[k] = ld_SFX(x + k * xs);
     long t = 0;
+    if (!full) {
+        for (; t + 4 <= m; t += 4) SS_SFX(4)
+        for (; t < m; ++t) SS_SFX(1)
+        out[0] = ss, out[1] = out[2] = out[3] = zero;
+        return;
+    }
     for (; t + 4 <= m; t += 4) MOM_SFX(4)
     for (; t < m; ++t) MOM_SFX(1)
     vd mean = swb / sw;
@@ -386,8 +419,8 @@ AIT void moments_SFX(const long n, long m, const double *A, const double *B0, co
 }
 
 static TGT int moments_all_SFX(long n, long m, long P, const double *A, const double *B0,
-                               const double *W, const double *x, double *ss, double *wss,
-                               double *tss, double *uss, long p0, long p1)
+                               const double *W, const double *x, long full, double *ss,
+                               double *wss, double *tss, double *uss, long p0, long p1)
 {
     double *pad = malloc(sizeof(double) * (size_t)(VL * (2 * m + n)));
     if (!pad) return -1;
@@ -404,7 +437,7 @@ static TGT int moments_all_SFX(long n, long m, long P, const double *A, const do
             pad_lanes(n, x + b0, P, w, VL, 0.0, qx);
             pb = qb, pw = qw, px = qx, bs = VL, xs = VL;
         }
-#define MOMENTS_SFX(K) moments_SFX(K, m, A, pb, pw, bs, px, xs, out)
+#define MOMENTS_SFX(K) moments_SFX(K, m, A, pb, pw, bs, px, xs, full, out)
         DISPATCH(n, MOMENTS_SFX)
         for (int q = 0; q < 4; ++q) st_SFX(o[q], out[q]);
         for (long l = 0; l < w; ++l) {
@@ -424,20 +457,20 @@ static TGT int moments_all_SFX(long n, long m, long P, const double *A, const do
 _ENTRY = r"""
 
 /* Per pixel of [p0, p1), with r = B0 - A x (A: m x n row-major, n <= 16) and weights W
-   (W > 0: valid rows): ss = sum of r^2 over valid rows, wss of W r^2, tss of
-   W (b - mean)^2 about the weighted mean, uss of W b^2, each summed in row order.
-   Returns -1 when n > 16 or out of memory. */
+   (W > 0: valid rows): ss = sum of r^2 over valid rows and, with full, wss of W r^2,
+   tss of W (b - mean)^2 about the weighted mean, uss of W b^2 (else 0), each summed
+   in row order. Returns -1 when n > 16 or out of memory. */
 int gs_moments(long n, long m, long P, const double *A, const double *B0, const double *W,
-               const double *x, double *ss, double *wss, double *tss, double *uss, long p0,
-               long p1)
+               const double *x, long full, double *ss, double *wss, double *tss, double *uss,
+               long p0, long p1)
 {
     if (n > NMAX) return -1;
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f"))
-        return moments_all_avx512(n, m, P, A, B0, W, x, ss, wss, tss, uss, p0, p1);
+        return moments_all_avx512(n, m, P, A, B0, W, x, full, ss, wss, tss, uss, p0, p1);
     if (__builtin_cpu_supports("avx2"))
-        return moments_all_avx2(n, m, P, A, B0, W, x, ss, wss, tss, uss, p0, p1);
-    return moments_all_sse2(n, m, P, A, B0, W, x, ss, wss, tss, uss, p0, p1);
+        return moments_all_avx2(n, m, P, A, B0, W, x, full, ss, wss, tss, uss, p0, p1);
+    return moments_all_sse2(n, m, P, A, B0, W, x, full, ss, wss, tss, uss, p0, p1);
 }
 """
 
@@ -537,9 +570,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gs_statistics.argtypes = [L, V, L, V, V, V, V, V, L, V, L, L, V, ctypes.c_byte]
     lib.gs_statistics.argtypes += [V, V, L, V, V, V, L, L]
     lib.gs_statistics.restype = None
+    for fn in (lib.gs_load_f32, lib.gs_load_f64):
+        fn.argtypes = [L, L, V, L, V, L, L]
+        fn.restype = None
     lib.gs_gap_solve.argtypes = [L, L, V, V, V, V, L, L, L, L]
     lib.gs_gap_solve.restype = None
-    lib.gs_moments.argtypes = [L, L, L, V, V, V, V, V, V, V, V, L, L]
+    lib.gs_moments.argtypes = [L, L, L, V, V, V, V, L, V, V, V, V, L, L]
     lib.gs_moments.restype = ctypes.c_int
     return lib
 
@@ -733,13 +769,33 @@ def spread(
     return var, Z
 
 
+def load(src: np.ndarray) -> torch.Tensor | None:
+    """``src`` (m, P) as float64 with NaN and ±inf as 0; None when the kernel cannot take it.
+
+    ``src``: float32 or float64 rows, each contiguous, any row stride (a column slice).
+    """
+    lib = _library()
+    fn = {np.dtype(np.float32): "gs_load_f32", np.dtype(np.float64): "gs_load_f64"}
+    name = fn.get(src.dtype)
+    if lib is None or name is None or src.ndim != 2 or src.strides[1] != src.itemsize:
+        return None
+    if src.strides[0] % src.itemsize:
+        return None
+    m, p = src.shape
+    B0 = torch.from_numpy(np.empty((m, p)))
+    args = (m, p, src.ctypes.data, src.strides[0] // src.itemsize, B0.data_ptr())
+    _run(getattr(lib, name), args, p)
+    return B0
+
+
 def moments(
-    A: torch.Tensor, B0: torch.Tensor, W: torch.Tensor, x: torch.Tensor
+    A: torch.Tensor, B0: torch.Tensor, W: torch.Tensor, x: torch.Tensor, full: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per pixel, sums in row order of ``r = B0 − A x`` with weights ``W`` (> 0: valid rows).
 
-    ``Σ r²`` over the valid rows, ``Σ W r²``, ``Σ W (b − b̄)²`` about the weighted mean
-    ``b̄``, and ``Σ W b²``. ``A`` has at most :data:`MAX_ORDER` columns.
+    ``Σ r²`` over the valid rows and, with ``full`` (else zeros), ``Σ W r²``,
+    ``Σ W (b − b̄)²`` about the weighted mean ``b̄``, and ``Σ W b²``. ``A`` has at most
+    :data:`MAX_ORDER` columns.
     """
     lib = _library()
     assert lib is not None
@@ -750,7 +806,7 @@ def moments(
     ptrs = [out[i].data_ptr() for i in range(4)]
     _run(
         lib.gs_moments,
-        (n, m, p, Ac.data_ptr(), B0.data_ptr(), W.data_ptr(), x.data_ptr(), *ptrs),
+        (n, m, p, Ac.data_ptr(), B0.data_ptr(), W.data_ptr(), x.data_ptr(), int(full), *ptrs),
         p,
     )
     return out[0], out[1], out[2], out[3]

@@ -293,20 +293,27 @@ def column_rms(R: torch.Tensor, n: torch.Tensor | float) -> torch.Tensor:
 
 
 def residual_moments(
-    A: torch.Tensor, B0: torch.Tensor, W: torch.Tensor, x: torch.Tensor, n: torch.Tensor
+    A: torch.Tensor,
+    B0: torch.Tensor,
+    W: torch.Tensor,
+    x: torch.Tensor,
+    n: torch.Tensor,
+    full: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Per column, RMS of the residuals and the data; None where the kernel cannot run.
 
     Over each column's ``n`` valid rows (``W`` > 0): of ``r = B0 − A x``, of ``√W·r``,
-    of ``√W·(b − b̄)`` about the weighted mean, and of ``√W·b``. The compiled kernel reads
+    of ``√W·(b − b̄)`` about the weighted mean, and of ``√W·b`` (these three only with
+    ``full``, else zeros). The compiled kernel reads
     each pixel's data once; columns whose sums overflowed or
     may have lost squares to underflow are redone as :func:`column_rms` does.
     """
     if A.shape[1] > kernel.MAX_ORDER or not kernel.usable(A, B0, W, x):
         return None
-    sums = torch.stack(kernel.moments(A, B0, W, x))
+    sums = torch.stack(kernel.moments(A, B0, W, x, full))
     fi = torch.finfo(sums.dtype)
-    redo = ~((sums >= 4 * B0.shape[0] * fi.tiny / fi.eps) & (sums <= fi.max)).all(0)
+    checked = sums if full else sums[:1]
+    redo = ~((checked >= 4 * B0.shape[0] * fi.tiny / fi.eps) & (checked <= fi.max)).all(0)
     ss, wss, tss, uss = torch.sqrt(sums / n).unbind(0)
     if bool(redo.any()):
         c = torch.nonzero(redo).flatten()

@@ -376,3 +376,34 @@ def test_statistics_equal_the_numpy_ones(policy: str, cov_scale: str, dtype: str
         for name, values in want.items():
             np.testing.assert_array_equal(mom.out[name], values, err_msg=name)
             assert mom.out[name].dtype == values.dtype
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_load_equals_torch_conversion(dtype: type) -> None:
+    """gs_load: float64 with NaN and ±inf as 0, from a column slice, as torch converts."""
+    rng = np.random.default_rng(12)
+    B = rng.standard_normal((23, 500)).astype(dtype)
+    B[rng.random(B.shape) < 0.2] = np.nan
+    B[3, 7], B[4, 8] = np.inf, -np.inf
+    B[5, 9] = np.finfo(dtype).max
+    view = B[:, 37:411]
+    got = kernel.load(view)
+    assert got is not None
+    want = torch.from_numpy(view).to(torch.float64, copy=True).nan_to_num_(0.0, 0.0, 0.0)
+    assert torch.equal(got, want)
+    assert kernel.load(B[:, ::2]) is None  # rows not contiguous: the caller converts
+
+
+@needs_kernel
+def test_residual_without_moments_equals_the_full_sums() -> None:
+    rng = np.random.default_rng(13)
+    m, n, p = 29, 7, 77
+    A, x = rng.standard_normal((m, n)), rng.standard_normal((n, p))
+    W = (rng.random((m, p)) > 0.3).astype(np.float64)
+    B0 = rng.standard_normal((m, p)) * W
+    args = [torch.from_numpy(a) for a in (A, B0, W, x)]
+    full = kernel.moments(*args)
+    short = kernel.moments(*args, full=False)
+    assert torch.equal(full[0], short[0])
+    assert all(bool((s == 0).all()) for s in short[1:])

@@ -557,3 +557,17 @@ def test_infinite_data_are_gaps_on_the_per_pixel_path(dtype: str) -> None:
     np.testing.assert_allclose(out.arrays["coefficients"], coef[:, 0], rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(out.arrays["residual_rms"], rms[0], rtol=1e-10)
     assert (out.arrays["n_valid"] == np.isfinite(B).sum(axis=0)).all()
+
+
+@pytest.mark.parametrize("n_obs", [40, 300])
+def test_valid_counts_past_one_byte(n_obs: int) -> None:
+    """n_valid counts each pixel's finite observations, with more than 255 of them too."""
+    from gridsolve.stages.solve.lstsq import make_operator, solve_block
+
+    rng = np.random.default_rng(n_obs)
+    A = np.vander(np.linspace(-1, 1, n_obs), 3, increasing=True)
+    B = rng.standard_normal((n_obs, 64))
+    B[rng.random(B.shape) < 0.3] = np.nan
+    config = LstsqSolve(policy="minnorm", dtype="float64")
+    out = solve_block(B, make_operator(A, np.ones(n_obs), config), config)
+    np.testing.assert_array_equal(out.arrays["n_valid"], np.isfinite(B).sum(axis=0))
