@@ -239,23 +239,28 @@ GS_API void gs_statistics(long coef, const double *C, long cs, const signed char
                 nan[p] = (v[p] != v[p]) ? 1.0 : nan[p];
             }
         }
+        /* branch-free on doubles, so that GCC vectorises it */
+        const double o0 = okc[0], o1 = okc[1], o2 = okc[2], fr = fell;
+        const double round_rank = ridge ? 0.0 : 1.0, residual = scaled ? 1.0 : 0.0;
+        double sol[BW], dofs[BW];
         for (long p = 0; p < w; ++p) {
-            signed char st = status[b0 + p];
-            int solved = (st == okc[0] || st == okc[1] || st == okc[2]) && fin[p] > 0.5;
+            double sv = (double)status[b0 + p];
+            sol[p] = ((sv == o0) | (sv == o1) | (sv == o2)) & (fin[p] > 0.5) ? 1.0 : 0.0;
             double n = (double)n_valid[b0 + p];
-            double dof = solved ? n - edf[b0 + p] : NAN;
-            if (!ridge) {
-                double whole = rint(dof);
-                if (fabs(dof - whole) <= 1e-6 && st != fell) dof = whole;
-                dof = dof + 0.0; /* no -0 */
-            }
-            sig[p] = scaled ? ((solved && dof > 0) ? wrms[b0 + p] * sqrt(n / dof) : NAN)
-                            : (solved ? 1.0 : NAN);
+            double dof = sol[p] > 0.5 ? n - edf[b0 + p] : NAN;
+            double whole = rint(dof);
+            int exact = (round_rank > 0.5) & (fabs(dof - whole) <= 1e-6) & (sv != fr);
+            dof = (exact ? whole : dof) + 0.0; /* no -0 (n - edf is never -0 itself) */
+            double scale = wrms[b0 + p] * sqrt(n / dof);
+            double by_residual = (sol[p] > 0.5) & (dof > 0) ? scale : NAN;
+            sig[p] = residual > 0.5 ? by_residual : (sol[p] > 0.5 ? 1.0 : NAN);
             double q = wrms[b0 + p] / trms[b0 + p];
-            r2[b0 + p] = solved ? 1.0 - q * q : NAN;
+            r2[b0 + p] = sol[p] > 0.5 ? 1.0 - q * q : NAN;
             dof_out[b0 + p] = dof;
-            flags[b0 + p] = (signed char)(solved ? (nan[p] > 0.5) + 2 * !(dof > 0) : 4);
+            dofs[p] = dof;
         }
+        for (long p = 0; p < w; ++p)
+            flags[b0 + p] = (signed char)(sol[p] > 0.5 ? (nan[p] > 0.5) + 2 * !(dofs[p] > 0) : 4);
         for (long k = 0; k < coef; ++k) {
             const double *restrict c = C + k * cs + b0, *restrict v = var + k * vs + b0;
             double *restrict e = se + k * os + b0, *restrict tk = t + k * os + b0;

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -491,9 +492,29 @@ def _max_abs(X: torch.Tensor) -> torch.Tensor:
     return torch.maximum(X.amax(dim=0), -X.amin(dim=0))
 
 
-def _primal(
-    A: torch.Tensor, B0: torch.Tensor, Wp: torch.Tensor, lam: float, unit: bool
-) -> tuple[torch.Tensor, torch.Tensor, tuple[PackedFactor, torch.Tensor | None]]:
+_SETUPS: dict[tuple[bytes, tuple[int, ...], str, str, float], tuple[torch.Tensor, ...]] = {}
+_SETUPS_LOCK = threading.Lock()
+
+
+def _primal_setup(
+    A: torch.Tensor, lam: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The design's basis, its packed Gram rows, ``R⁻¹`` and ``λ`` in that basis.
+
+    The same for every batch of a design: kept for the last few designs (keyed by
+    their content), so a tile's batches do not repeat the small factorisations.
+    """
+    key = (A.cpu().numpy().tobytes(), tuple(A.shape), str(A.dtype), str(A.device), lam)
+    with _SETUPS_LOCK:
+        hit = _SETUPS.get(key)
+    if hit is not None:
+        known_rinv, known_lam = hit[2], hit[3]
+        return (
+            hit[0],
+            hit[1],
+            None if known_rinv.numel() == 0 else known_rinv,
+            None if known_lam.numel() == 0 else known_lam,
+        )
     obs, coef = A.shape
     # Work in an orthonormal basis Q of the design (A = Q·R): each pixel's Gram
     # matrix QᵀW_pQ is then near the identity unless its gaps are severe, however
@@ -502,7 +523,8 @@ def _primal(
     s = torch.linalg.svdvals(A)
     precondition = bool(s[-1] > s[0] * EPS64 * max(obs, coef) * 1e3)
     eye = torch.eye(coef, dtype=A.dtype, device=A.device)
-    Rinv = None
+    Rinv: torch.Tensor | None = None
+    lam_mat: torch.Tensor | None
     if precondition:
         basis, R = torch.linalg.qr(A)
         Rinv = torch.linalg.solve_triangular(R, eye, upper=True)
@@ -515,10 +537,30 @@ def _primal(
     # for coef 10 instead of 100).
     r, c = lower_pairs(coef)
     r, c = r.to(A.device), c.to(A.device)
+    pairs = (basis[:, r] * basis[:, c]).T.contiguous()
+    none = A.new_empty(0)
+    with _SETUPS_LOCK:
+        if len(_SETUPS) >= 8:
+            _SETUPS.pop(next(iter(_SETUPS)))
+        _SETUPS[key] = (
+            basis,
+            pairs,
+            none if Rinv is None else Rinv,
+            none if lam_mat is None else lam_mat,
+        )
+    return basis, pairs, Rinv, lam_mat
+
+
+def _primal(
+    A: torch.Tensor, B0: torch.Tensor, Wp: torch.Tensor, lam: float, unit: bool
+) -> tuple[torch.Tensor, torch.Tensor, tuple[PackedFactor, torch.Tensor | None]]:
+    coef = A.shape[1]
+    basis, pairs, Rinv, lam_mat = _primal_setup(A, lam)
     # contiguous: narrow batches too take the compiled kernel (see colmm's padding)
-    G = colmm((basis[:, r] * basis[:, c]).T.contiguous(), Wp).contiguous()
+    G = colmm(pairs, Wp).contiguous()
     if lam_mat is not None:
-        G += lam_mat[r, c][:, None]
+        r, c = lower_pairs(coef)
+        G += lam_mat[r.to(A.device), c.to(A.device)][:, None]
     ok = packed_cholesky(G, coef)
     L = PackedFactor(G, coef)
     # unit: Wp is 0/1 and B0 is 0 where Wp is, so W·B0 = B0 (one pass fewer)
