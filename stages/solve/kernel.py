@@ -423,6 +423,52 @@ AIT void moments_SFX(const long n, long m, const double *A, const double *B0, co
     out[0] = ss, out[1] = wss, out[2] = tss, out[3] = uss;
 }
 
+/* diag(Z^T Z) of Z = L^-1 T for VL pixels (L packed, rows gs apart; T lower triangular,
+   row-major, or NULL for the identity): column k of Z is the forward substitution of
+   column k of T, which is zero above row k, so it starts at row k. */
+AIT void spread_SFX(const long n, const double *G, long gs, const double *T, double *var,
+                    long vs)
+{
+    vd inv[NMAX];
+    const vd zero = {0}, one = zero + 1.0;
+    for (long i = 0; i < n; ++i) inv[i] = one / ld_SFX(G + at(i, i, n) * gs);
+    for (long k = 0; k < n; ++k) {
+        vd z[NMAX], acc = zero;
+        for (long i = k; i < n; ++i) {
+            vd zi = zero + (T ? T[i * n + k] : (double)(i == k));
+            for (long j = k; j < i; ++j) zi -= ld_SFX(G + at(i, j, n) * gs) * z[j];
+            zi *= inv[i];
+            z[i] = zi;
+            acc += zi * zi;
+        }
+        st_SFX(var + k * vs, acc);
+    }
+}
+
+static TGT int spread_all_SFX(long n, long P, const double *G, const double *T, double *var,
+                              long p0, long p1)
+{
+    long np = n * (n + 1) / 2;
+    double *pad = malloc(sizeof(double) * (size_t)(VL * (np + n)));
+    if (!pad) return -1;
+    for (long b0 = p0; b0 < p1; b0 += VL) {
+        long w = p1 - b0 < VL ? p1 - b0 : VL;
+        if (w == VL) {
+#define SPREAD_SFX(K) spread_SFX(K, G + b0, P, T, var + b0, P)
+            DISPATCH(n, SPREAD_SFX)
+        } else {
+            double *pg = pad, *pv = pad + VL * np;
+            pad_lanes(np, G + b0, P, w, VL, 1.0, pg);
+#define SPREAD_TAIL_SFX(K) spread_SFX(K, pg, VL, T, pv, VL)
+            DISPATCH(n, SPREAD_TAIL_SFX)
+            for (long k = 0; k < n; ++k)
+                for (long l = 0; l < w; ++l) var[k * P + b0 + l] = pv[k * VL + l];
+        }
+    }
+    free(pad);
+    return 0;
+}
+
 static TGT int moments_all_SFX(long n, long m, long P, const double *A, const double *B0,
                                const double *W, const double *x, long full, double *ss,
                                double *wss, double *tss, double *uss, long p0, long p1)
@@ -460,6 +506,19 @@ static TGT int moments_all_SFX(long n, long m, long P, const double *A, const do
 """
 
 _ENTRY = r"""
+
+/* var[k] = sum_i Z[i][k]^2 of Z = L^-1 T per pixel of [p0, p1) (L packed, n <= 16; T
+   lower triangular row-major, NULL: the identity): gs_spread without Z. Returns -1
+   when n > 16 or out of memory. */
+int gs_spread_var(long n, long P, const double *G, const double *T, double *var, long p0,
+                  long p1)
+{
+    if (n > NMAX) return -1;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return spread_all_avx512(n, P, G, T, var, p0, p1);
+    if (__builtin_cpu_supports("avx2")) return spread_all_avx2(n, P, G, T, var, p0, p1);
+    return spread_all_sse2(n, P, G, T, var, p0, p1);
+}
 
 /* Per pixel of [p0, p1), with r = B0 - A x (A: m x n row-major, n <= 16) and weights W
    (W > 0: valid rows): ss = sum of r^2 over valid rows and, with full, wss of W r^2,
@@ -578,6 +637,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for fn in (lib.gs_load_f32, lib.gs_load_f64):
         fn.argtypes = [L, L, V, L, V, L, L]
         fn.restype = None
+    lib.gs_spread_var.argtypes = [L, L, V, V, V, L, L]
+    lib.gs_spread_var.restype = ctypes.c_int
     lib.gs_gap_solve.argtypes = [L, L, V, V, V, V, L, L, L, L]
     lib.gs_gap_solve.restype = None
     lib.gs_moments.argtypes = [L, L, L, V, V, V, V, L, V, V, V, V, L, L]
@@ -759,6 +820,10 @@ def spread(
     var = torch.empty((n, p), dtype=torch.float64)
     Z = torch.empty((n, n, p), dtype=torch.float64) if want_z else None
     Tc = None if T is None else T.to(torch.float64).contiguous()
+    if Z is None and n <= MAX_ORDER:  # the variances only: the register kernel
+        tp = None if Tc is None else Tc.data_ptr()
+        _run(lib.gs_spread_var, (n, p, G.data_ptr(), tp, var.data_ptr()), p)
+        return var, None
     _run(
         lib.gs_spread,
         (

@@ -67,7 +67,9 @@ def _both(G: torch.Tensor, n: int, h: torch.Tensor, T: torch.Tensor) -> dict[str
             x = L.solve_(h.clone())
             full = linalg._primal_spread(L, T, 0.0, True)
             ridge = linalg._primal_spread(L, None, 0.3, False)
-            out[how] = [ok, Gc, x, full.var, full.cov, ridge.var, ridge.edf]
+            plain = linalg._primal_spread(L, T, 0.0, False)  # variances only
+            unit = linalg._primal_spread(L, None, 0.0, False)
+            out[how] = [ok, Gc, x, full.var, full.cov, ridge.var, ridge.edf, plain.var, unit.var]
     kernel._library.cache_clear()
     return out
 
