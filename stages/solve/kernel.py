@@ -239,25 +239,33 @@ GS_API void gs_statistics(long coef, const double *C, long cs, const signed char
                 nan[p] = (v[p] != v[p]) ? 1.0 : nan[p];
             }
         }
-        /* branch-free on doubles, so that GCC vectorises it */
-        const double o0 = okc[0], o1 = okc[1], o2 = okc[2], fr = fell;
+        /* branch-free, on doubles only (loaded first), so that GCC vectorises it */
+        const double o0 = okc[0], o1 = okc[1], o2 = okc[2], fr = fell, nan_ = NAN;
         const double round_rank = ridge ? 0.0 : 1.0, residual = scaled ? 1.0 : 0.0;
-        double sol[BW], dofs[BW];
+        double sol[BW], dofs[BW], svs[BW], nvs[BW];
+        for (long p = 0; p < w; ++p) svs[p] = (double)status[b0 + p];
+        for (long p = 0; p < w; ++p) nvs[p] = (double)n_valid[b0 + p];
         for (long p = 0; p < w; ++p) {
-            double sv = (double)status[b0 + p];
-            sol[p] = ((sv == o0) | (sv == o1) | (sv == o2)) & (fin[p] > 0.5) ? 1.0 : 0.0;
-            double n = (double)n_valid[b0 + p];
-            double dof = sol[p] > 0.5 ? n - edf[b0 + p] : NAN;
+            double sv = svs[p], n = nvs[p], e = edf[b0 + p], wr = wrms[b0 + p];
+            double tr = trms[b0 + p], fi = fin[p];
+            double sd = sv == o0 ? 1.0 : 0.0;
+            sd = sv == o1 ? 1.0 : sd;
+            sd = sv == o2 ? 1.0 : sd;
+            sd = fi > 0.5 ? sd : 0.0;
+            double dof = sd > 0.5 ? n - e : nan_;
             double whole = rint(dof);
-            int exact = (round_rank > 0.5) & (fabs(dof - whole) <= 1e-6) & (sv != fr);
-            dof = (exact ? whole : dof) + 0.0; /* no -0 (n - edf is never -0 itself) */
-            double scale = wrms[b0 + p] * sqrt(n / dof);
-            double by_residual = (sol[p] > 0.5) & (dof > 0) ? scale : NAN;
-            sig[p] = residual > 0.5 ? by_residual : (sol[p] > 0.5 ? 1.0 : NAN);
-            double q = wrms[b0 + p] / trms[b0 + p];
-            r2[b0 + p] = sol[p] > 0.5 ? 1.0 - q * q : NAN;
+            double keep = fabs(dof - whole) <= 1e-6 ? round_rank : 0.0;
+            keep = sv != fr ? keep : 0.0;
+            dof = (keep > 0.5 ? whole : dof) + 0.0; /* no -0 (n - edf is never -0 itself) */
+            double by_residual = dof > 0 ? wr * sqrt(n / dof) : nan_;
+            by_residual = sd > 0.5 ? by_residual : nan_;
+            double plain = sd > 0.5 ? 1.0 : nan_;
+            sig[p] = residual > 0.5 ? by_residual : plain;
+            double q = wr / tr;
+            r2[b0 + p] = sd > 0.5 ? 1.0 - q * q : nan_;
             dof_out[b0 + p] = dof;
             dofs[p] = dof;
+            sol[p] = sd;
         }
         for (long p = 0; p < w; ++p)
             flags[b0 + p] = (signed char)(sol[p] > 0.5 ? (nan[p] > 0.5) + 2 * !(dofs[p] > 0) : 4);
