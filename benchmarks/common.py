@@ -26,6 +26,23 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> 
     return statistics.median(times)
 
 
+def median_pair_seconds(
+    fa: Callable[[], Any], fb: Callable[[], Any], repeats: int = 5, warmup: int = 1
+) -> tuple[float, float]:
+    """Median wall times of ``fa()`` and ``fb()``, run alternately (a ratio of the two then
+    sees the same machine: this one is shared, and its speed drifts within seconds)."""
+    for _ in range(warmup):
+        fa()
+        fb()
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, out in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
+
+
 def cpu_model() -> str:
     """The CPU's model name and widest vector unit (Linux), or the platform's processor."""
     try:

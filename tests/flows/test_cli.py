@@ -236,3 +236,26 @@ def test_stages_lists_every_kind_in_order_and_every_implementation() -> None:
                 continue  # a test plugin registered in this process only
             mark = " (default)" if DEFAULT_IMPL[kind] == impl else ""
             assert f"  {impl}{mark}: {decl.summary}" in block
+
+
+OPENBLAS_PROBE = (
+    "import io, os, contextlib\n"
+    "from gridsolve.flows.cli import main\n"
+    "with contextlib.redirect_stdout(io.StringIO()):\n"
+    "    main(['schema'])\n"
+    "print(os.environ.get('OPENBLAS_NUM_THREADS', '-'))\n"
+)
+
+
+@pytest.mark.parametrize(("given", "expect"), [(None, "1"), ("3", "3")])
+def test_the_command_keeps_openblas_on_one_thread_unless_told(
+    given: str | None, expect: str
+) -> None:
+    """numpy's OpenBLAS: one thread in gridsolve's processes (flows/cli.py says why)."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if given is not None:
+        env["OPENBLAS_NUM_THREADS"] = given
+    res = subprocess.run(
+        [sys.executable, "-c", OPENBLAS_PROBE], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert res.stdout.strip().splitlines()[-1] == expect, res.stderr[-2000:]
