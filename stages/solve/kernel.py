@@ -177,16 +177,28 @@ GS_API void gs_solve(long n, long sq, long P, const double *G, double *h, long p
 }
 
 /* B0 = src where finite, else 0, as double (torch's nan_to_num(0, 0, 0) after the
-   conversion), rows [0, m), columns [p0, p1); src rows are `stride` elements apart. */
+   conversion) and, when W is given, W = 1 where finite, else 0; rows [0, m), columns
+   [p0, p1); src rows are `stride` elements apart. */
 #define GS_LOAD(NAME, T)                                                                    \
-    GS_API void NAME(long m, long P, const T *src, long stride, double *B0, long p0, long p1) \
+    GS_API void NAME(long m, long P, const T *src, long stride, double *B0, double *W,      \
+                     long p0, long p1)                                                      \
     {                                                                                       \
         for (long t = 0; t < m; ++t) {                                                      \
             const T *restrict s = src + t * stride;                                         \
             double *restrict b = B0 + t * P;                                                \
-            for (long p = p0; p < p1; ++p) {                                                \
-                double x = (double)s[p];                                                    \
-                b[p] = (x - x == 0.0) ? x : 0.0; /* NaN and inf give NaN */                 \
+            if (W) {                                                                        \
+                double *restrict w = W + t * P;                                             \
+                for (long p = p0; p < p1; ++p) {                                            \
+                    double x = (double)s[p];                                                \
+                    int finite = x - x == 0.0; /* NaN and inf give NaN */                   \
+                    b[p] = finite ? x : 0.0;                                                \
+                    w[p] = finite ? 1.0 : 0.0;                                              \
+                }                                                                           \
+            } else {                                                                        \
+                for (long p = p0; p < p1; ++p) {                                            \
+                    double x = (double)s[p];                                                \
+                    b[p] = (x - x == 0.0) ? x : 0.0;                                        \
+                }                                                                           \
             }                                                                               \
         }                                                                                   \
     }
@@ -643,7 +655,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gs_statistics.argtypes += [V, V, L, V, V, V, L, L]
     lib.gs_statistics.restype = None
     for fn in (lib.gs_load_f32, lib.gs_load_f64):
-        fn.argtypes = [L, L, V, L, V, L, L]
+        fn.argtypes = [L, L, V, L, V, V, L, L]
         fn.restype = None
     lib.gs_spread_var.argtypes = [L, L, V, V, V, L, L]
     lib.gs_spread_var.restype = ctypes.c_int
@@ -847,10 +859,11 @@ def spread(
     return var, Z
 
 
-def load(src: np.ndarray) -> torch.Tensor | None:
-    """``src`` (m, P) as float64 with NaN and ±inf as 0; None when the kernel cannot take it.
+def load(src: np.ndarray, finite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``src`` (m, P) as float64 with NaN and ±inf as 0; None where the kernel cannot take it.
 
-    ``src``: float32 or float64 rows, each contiguous, any row stride (a column slice).
+    With ``finite``, also where ``src`` is finite, as 0/1 floats. ``src``: float32 or
+    float64 rows, each contiguous, any row stride (a column slice).
     """
     lib = _library()
     fn = {np.dtype(np.float32): "gs_load_f32", np.dtype(np.float64): "gs_load_f64"}
@@ -861,9 +874,11 @@ def load(src: np.ndarray) -> torch.Tensor | None:
         return None
     m, p = src.shape
     B0 = torch.from_numpy(np.empty((m, p)))
-    args = (m, p, src.ctypes.data, src.strides[0] // src.itemsize, B0.data_ptr())
+    W = torch.from_numpy(np.empty((m, p))) if finite else None
+    wp = None if W is None else W.data_ptr()
+    args = (m, p, src.ctypes.data, src.strides[0] // src.itemsize, B0.data_ptr(), wp)
     _run(getattr(lib, name), args, p)
-    return B0
+    return B0, W
 
 
 def moments(

@@ -1001,13 +1001,15 @@ def _solve_batch(
     Vt_ = torch.from_numpy(vmask).to(device)
     # Invalid observations are NaN, ±inf or carry zero weight: zero them (linalg's
     # contract: B0 is 0 where the weight is), weight them 0.
-    loaded = kernel.load(blk.B[:, sel]) if device.type == "cpu" else None
+    # unit: the weights are the finite values' mask, made in the same pass
+    loaded = kernel.load(blk.B[:, sel], systems.unit) if device.type == "cpu" else None
+    W01 = None
     if loaded is None:
         B0 = torch.from_numpy(blk.B[:, sel]).to(device, torch.float64, copy=True)
         B0.nan_to_num_(0.0, 0.0, 0.0)
     else:  # the same values, in one pass
-        B0 = loaded
-    Wp = _batch_weights(systems, sel, vmask, Vt_, device)
+        B0, W01 = loaded
+    Wp = W01 if W01 is not None else _batch_weights(systems, sel, vmask, Vt_, device)
     act = torch.from_numpy(active).to(device)
     sp = None
     unit = systems.unit

@@ -390,10 +390,13 @@ def test_load_equals_torch_conversion(dtype: type) -> None:
     B[3, 7], B[4, 8] = np.inf, -np.inf
     B[5, 9] = np.finfo(dtype).max
     view = B[:, 37:411]
-    got = kernel.load(view)
-    assert got is not None
+    got = kernel.load(view, finite=True)
+    assert got is not None and got[1] is not None
     want = torch.from_numpy(view).to(torch.float64, copy=True).nan_to_num_(0.0, 0.0, 0.0)
-    assert torch.equal(got, want)
+    assert torch.equal(got[0], want)
+    assert torch.equal(got[1], torch.from_numpy(np.isfinite(view).astype(np.float64)))
+    alone = kernel.load(view)
+    assert alone is not None and alone[1] is None and torch.equal(alone[0], want)
     assert kernel.load(B[:, ::2]) is None  # rows not contiguous: the caller converts
 
 
