@@ -24,16 +24,19 @@ multiply-adds (``-ffp-contract=off``), but they round differently (the kernel
 multiplies by reciprocal square roots, sums residuals in row order), so they are
 held, like any CPU code path, to the agreement bound of
 :mod:`gridsolve.stages.engine.agreement` (tests/stages/test_kernel.py) and which
-one ran is not part of a cache key. Every kernel works pixel by pixel, so a pixel's
-result never depends on its batch or on how the pixels are shared out over
-threads. The source below is part of the solve stage's code digest: editing it
-invalidates cached solves.
+one ran is not part of a cache key. Every kernel works pixel by pixel: its result
+for a pixel depends on that pixel's inputs alone, never on the other pixels of the
+batch or on how they are shared out over threads (the matrix products that feed it
+are MKL's, which round by the batch's width as the bound allows). The source below
+is part of the solve stage's code digest: editing it invalidates cached solves.
 
-The library is built on first use (about 3 s, once per machine and compiler) with
-the system's C compiler (``$CC``, else ``cc``/``gcc``) into ``$GRIDSOLVE_KERNEL_DIR``
-(default ``~/.cache/gridsolve/kernels``), named by a digest of the source, the flags
-and the compiler's version; processes that build at once (Dask workers) each
-write a temporary file and rename it. It holds AVX-512, AVX2 and SSE2 versions and
+The library (x86-64 Linux only; elsewhere the eager path runs) is built on first use
+(about 3 s, once per machine and compiler) with the system's C compiler (``$CC``,
+which may carry arguments, else ``cc``/``gcc``) into ``$GRIDSOLVE_KERNEL_DIR``
+(default ``~/.cache/gridsolve/kernels``; if that cannot be written, a folder of the
+temporary directory that only this user can write to), named by a digest of the
+source, the flags, the compiler and its version; processes that build at once (Dask
+workers) each write a temporary file and rename it. It holds AVX-512, AVX2 and SSE2 versions and
 picks one by the CPU it runs on; none uses fused multiply-adds, so they round alike.
 """
 
@@ -45,8 +48,11 @@ import functools
 import hashlib
 import math
 import os
+import platform
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -75,6 +81,7 @@ MAX_ORDER = 16
 SOURCE = r"""
 #include <float.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -101,7 +108,7 @@ static inline long ix(long r, long j, long n, long sq) { return sq ? r * n + j :
 GS_API int gs_cholesky(long n, long sq, long P, double *G, unsigned char *ok, double tol, long p0,
                        long p1)
 {
-    double *diag = malloc(sizeof(double) * (size_t)(n * BW));
+    double *diag = malloc(sizeof(double) * (size_t)(n * BW + 1));
     if (!diag) return -1;
     for (long b0 = p0; b0 < p1; b0 += BW) {
         long w = p1 - b0 < BW ? p1 - b0 : BW;
@@ -209,19 +216,19 @@ GS_LOAD(gs_load_f64, double)
    pixels with k gaps each, which are columns a + p of u and Z (P columns, row-major):
    Z[rows[i][p]][a + p] = ((L L^T)^-1 h)[i] with h[i] = u[rows[i][p]][a + p], L square
    (k, k, np), rows (k, np). */
-GS_API void gs_gap_solve(long k, long np, const double *L, const long *rows, const double *u,
+GS_API void gs_gap_solve(long k, long np, const double *L, const int64_t *rows, const double *u,
                          double *Z, long P, long a, long p0, long p1)
 {
     double h[NMAX_GAP * BW];
     for (long b0 = p0; b0 < p1; b0 += BW) {
         long w = p1 - b0 < BW ? p1 - b0 : BW;
         for (long i = 0; i < k; ++i) {
-            const long *restrict ri = rows + i * np + b0;
+            const int64_t *restrict ri = rows + i * np + b0;
             for (long p = 0; p < w; ++p) h[i * BW + p] = u[ri[p] * P + a + b0 + p];
         }
         solve_block(k, 1, np, L, b0, w, h, BW);
         for (long i = 0; i < k; ++i) {
-            const long *restrict ri = rows + i * np + b0;
+            const int64_t *restrict ri = rows + i * np + b0;
             for (long p = 0; p < w; ++p) Z[ri[p] * P + a + b0 + p] = h[i * BW + p];
         }
     }
@@ -533,7 +540,7 @@ _ENTRY = r"""
 int gs_spread_var(long n, long P, const double *G, const double *T, double *var, long p0,
                   long p1)
 {
-    if (n > NMAX) return -1;
+    if (n < 1 || n > NMAX) return -1;
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) return spread_all_avx512(n, P, G, T, var, p0, p1);
     if (__builtin_cpu_supports("avx2")) return spread_all_avx2(n, P, G, T, var, p0, p1);
@@ -548,7 +555,7 @@ int gs_moments(long n, long m, long P, const double *A, const double *B0, const 
                const double *x, long full, double *ss, double *wss, double *tss, double *uss,
                long p0, long p1)
 {
-    if (n > NMAX) return -1;
+    if (n < 1 || n > NMAX) return -1;
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f"))
         return moments_all_avx512(n, m, P, A, B0, W, x, full, ss, wss, tss, uss, p0, p1);
@@ -596,11 +603,25 @@ def choice() -> str:
     return how
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC")
+def _compiler() -> list[str] | None:
+    """The C compiler's command (``$CC`` may carry arguments: ``ccache gcc``), or None."""
+    cc = shlex.split(os.environ.get("CC", ""))
     if cc:
-        return shutil.which(cc) or (cc if os.path.isfile(cc) else None)
-    return shutil.which("cc") or shutil.which("gcc")
+        found = shutil.which(cc[0]) or (cc[0] if os.path.isfile(cc[0]) else None)
+        return [found, *cc[1:]] if found else None
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
+
+
+def _private_tmp() -> Path:
+    """A build folder under the temporary directory that only this user can write to."""
+    where = Path(tempfile.gettempdir()) / f"gridsolve-kernels-{os.getuid()}"
+    where.mkdir(mode=0o700, exist_ok=True)
+    st = where.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077 or where.is_symlink():
+        # someone else's, or open to others: a library found there could be anyone's
+        return Path(tempfile.mkdtemp(prefix="gridsolve-kernels-"))
+    return where
 
 
 def _cache_dir() -> Path:
@@ -611,12 +632,13 @@ def _cache_dir() -> Path:
     return Path(base) / "gridsolve" / "kernels"
 
 
-def _build(cc: str, where: Path) -> Path:
+def _build(cc: list[str], where: Path) -> Path:
     """The library for this source, flags and compiler: built into ``where`` unless there."""
     version = subprocess.run(
-        [cc, "--version"], capture_output=True, text=True, timeout=30, check=False
+        [*cc, "--version"], capture_output=True, text=True, timeout=30, check=False
     ).stdout
-    tag = hashlib.sha256("\0".join([SOURCE, *FLAGS, version]).encode()).hexdigest()[:20]
+    parts = [SOURCE, *FLAGS, *cc, version, platform.machine()]
+    tag = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     lib = where / f"gridsolve-solve-{tag}.so"
     if lib.is_file():
         return lib
@@ -629,7 +651,7 @@ def _build(cc: str, where: Path) -> Path:
         # function clones per instruction set where the compiler has them (GCC on glibc)
         for extra in (["-DGS_CLONES"], []):
             done = subprocess.run(
-                [cc, *FLAGS, *extra, str(src), "-o", str(out), "-lm"],
+                [*cc, *FLAGS, *extra, str(src), "-o", str(out), "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=120,
@@ -673,10 +695,15 @@ def _library() -> ctypes.CDLL | None:
         return None
     cc = _compiler()
     problem = "no C compiler found (set CC, or install gcc)" if cc is None else ""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not sys.platform.startswith(
+        "linux"
+    ):
+        # its vector code is written for x86-64 (AVX-512, AVX2, SSE2) and 64-bit longs
+        cc, problem = None, f"written for x86-64 Linux, not {platform.machine()} {sys.platform}"
     if cc is not None:
-        for where in (_cache_dir(), Path(tempfile.gettempdir()) / "gridsolve-kernels"):
+        for place in (_cache_dir, _private_tmp):
             try:
-                return _bind(ctypes.CDLL(str(_build(cc, where))))
+                return _bind(ctypes.CDLL(str(_build(cc, place()))))
             except (OSError, subprocess.SubprocessError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
     if how == "c":
@@ -709,6 +736,8 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 def _parts(p: int) -> list[tuple[int, int]]:
     """Pixel ranges for torch's threads, in whole blocks, at least :data:`MIN_PART` pixels each."""
+    if p <= 0:
+        return []
     threads = max(1, min(torch.get_num_threads(), p // MIN_PART))
     step = math.ceil(math.ceil(p / threads) / BLOCK) * BLOCK
     return [(s, min(s + step, p)) for s in range(0, p, step)]
@@ -718,6 +747,8 @@ def _run(fn: Callable[..., object], args: tuple[object, ...], p: int) -> None:
     """``fn(*args, p0, p1)`` over the pixel ranges, in parallel (ctypes releases the GIL)."""
     global _POOL
     parts = _parts(p)
+    if not parts:
+        return
     if len(parts) == 1:
         results = [fn(*args, 0, p)]
     else:
@@ -765,13 +796,23 @@ def gap_solve(
     lib = _library()
     assert lib is not None
     k, n = rows.shape
+    if not (
+        rows.dtype == torch.int64
+        and L.shape == (k, k, n)
+        and u.shape == Z.shape
+        and a + n <= u.shape[1]
+        and all(t.is_contiguous() and t.device.type == "cpu" for t in (L, rows, u, Z))
+        and L.dtype == u.dtype == Z.dtype == torch.float64
+    ):
+        raise ValueError("gap_solve: L (k, k, n), rows (k, n) int64, u and Z contiguous float64")
     args = (k, n, L.data_ptr(), rows.data_ptr(), u.data_ptr(), Z.data_ptr(), u.shape[1], a)
     _run(lib.gs_gap_solve, args, n)
 
 
 def _rows(a: np.ndarray, dtype: type) -> int:
     """The row stride, in elements, of a 2-D array whose rows are contiguous."""
-    assert a.dtype == dtype and a.ndim == 2 and a.strides[1] == a.itemsize
+    if a.dtype != dtype or a.ndim != 2 or a.strides[1] != a.itemsize or a.strides[0] < 0:
+        raise ValueError(f"expected a 2-D {np.dtype(dtype)} array with contiguous rows")
     return a.strides[0] // a.itemsize
 
 
@@ -800,10 +841,18 @@ def statistics(
     assert lib is not None
     p = C.shape[1]
     se, t = out["coef_stderr"], out["t_value"]
-    assert _rows(se, np.float64) == _rows(t, np.float64)
+    # checked here, not asserted: they guard raw pointers (python -O drops asserts)
+    if _rows(se, np.float64) != _rows(t, np.float64) or C.shape != se.shape or var.shape != C.shape:
+        raise ValueError("statistics: C, var and the stderr and t outputs must share a shape")
     vectors = [status, n_valid, wrms, trms, edf, out["dof"], out["r2"], out["uncertainty_flags"]]
-    assert all(v.flags.c_contiguous and v.shape == (p,) for v in vectors)
-    assert status.dtype == np.int8 and n_valid.dtype == np.int32
+    if not all(v.flags.c_contiguous and v.shape == (p,) for v in vectors):
+        raise ValueError("statistics: the per-pixel vectors must be contiguous, one per pixel")
+    if status.dtype != np.int8 or n_valid.dtype != np.int32:
+        raise ValueError("statistics: status must be int8 and n_valid int32")
+    if out["uncertainty_flags"].dtype != np.int8 or not all(
+        a.dtype == np.float64 for a in (wrms, trms, edf, out["dof"], out["r2"])
+    ):
+        raise ValueError("statistics: flags must be int8 and the other vectors float64")
     codes = np.asarray(ok_codes, dtype=np.int8)
     args = (
         C.shape[0],
@@ -840,7 +889,7 @@ def spread(
     var = torch.empty((n, p), dtype=torch.float64)
     Z = torch.empty((n, n, p), dtype=torch.float64) if want_z else None
     Tc = None if T is None else T.to(torch.float64).contiguous()
-    if Z is None and n <= MAX_ORDER:  # the variances only: the register kernel
+    if Z is None and 1 <= n <= MAX_ORDER:  # the variances only: the register kernel
         tp = None if Tc is None else Tc.data_ptr()
         _run(lib.gs_spread_var, (n, p, G.data_ptr(), tp, var.data_ptr()), p)
         return var, None

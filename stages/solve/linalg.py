@@ -309,7 +309,7 @@ def residual_moments(
     each pixel's data once; columns whose sums overflowed or
     may have lost squares to underflow are redone as :func:`column_rms` does.
     """
-    if A.shape[1] > kernel.MAX_ORDER or not kernel.usable(A, B0, W, x):
+    if not 1 <= A.shape[1] <= kernel.MAX_ORDER or not kernel.usable(A, B0, W, x):
         return None
     sums = torch.stack(kernel.moments(A, B0, W, x, full))
     fi = torch.finfo(sums.dtype)
@@ -531,7 +531,7 @@ def _primal_setup(
         # λI in the new basis: Tᵀ(AᵀWA + λI)T = QᵀWQ + λR⁻ᵀR⁻¹
         lam_mat = lam * (Rinv.T @ Rinv) if lam else None
     else:
-        basis = A
+        basis = A.clone()  # kept for later batches: not the caller's tensor
         lam_mat = lam * eye if lam else None
     # Only the lower triangle of each Gram matrix, packed (one product of 55 rows
     # for coef 10 instead of 100).
@@ -556,7 +556,8 @@ def _primal(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[PackedFactor, torch.Tensor | None]]:
     coef = A.shape[1]
     basis, pairs, Rinv, lam_mat = _primal_setup(A, lam)
-    # contiguous: narrow batches too take the compiled kernel (see colmm's padding)
+    # contiguous: narrow batches' factorisation too takes the compiled kernel (colmm pads
+    # them and returns a view); their solves and moments, on views, take the eager path
     G = colmm(pairs, Wp).contiguous()
     if lam_mat is not None:
         r, c = lower_pairs(coef)
@@ -683,14 +684,15 @@ def _dual_schur(
             r0 += k * n
         s0 += n
 
-    compiled = kernel.usable(H, B0s)
+    compiled = kernel.usable(B0s)  # (H is column-major; only MKL's products read it)
 
     def apply(r: torch.Tensor) -> torch.Tensor:
         """``M_vv⁻¹ r_v`` per pixel (``r`` zero on missing rows), zero on missing rows."""
         u = colmm(H, r).contiguous()
         Z = torch.zeros_like(u)
         for a, b, rows, L in groups:
-            if compiled and L.shape[0] <= kernel.MAX_GAPS:  # gather, solve, scatter in one pass
+            if compiled and L.shape[0] <= kernel.MAX_GAPS and L.is_contiguous():
+                # gather, solve and scatter in one pass
                 kernel.gap_solve(L, rows, u, Z, a)
                 continue
             y = cholesky_solve(L, torch.gather(u[:, a:b], 0, rows))

@@ -28,6 +28,22 @@ needs_kernel = pytest.mark.skipif(
 
 
 @pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How often each compiled kernel ran inside the test (its wrapper in kernel.py)."""
+    seen: dict[str, int] = {}
+    for name in ("cholesky", "solve_", "spread", "moments", "load", "statistics", "gap_solve"):
+        fn = getattr(kernel, name)
+
+        def counted(*args: object, _fn: object = fn, _name: str = name, **kw: object) -> object:
+            if kernel._library() is not None:  # called with the library there: it ran
+                seen[_name] = seen.get(_name, 0) + 1
+            return _fn(*args, **kw)  # type: ignore[operator]
+
+        monkeypatch.setattr(kernel, name, counted)
+    return seen
+
+
+@pytest.fixture
 def eager(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Inside the test: the eager path (the library's cache is restored afterwards)."""
     monkeypatch.setenv(kernel.ENV, "eager")
@@ -109,19 +125,25 @@ def test_solve_matches_numpy() -> None:
 
 @needs_kernel
 def test_threads_split_pixels_without_changing_a_bit() -> None:
-    n, p = 10, 5000
+    n, p = 10, 9000  # 1, 2 and 4 ranges of at least kernel.MIN_PART pixels
     G, h, T = _systems(n, p, seed=2)
+    rng = np.random.default_rng(2)
+    A, x0 = torch.from_numpy(rng.standard_normal((23, n))), torch.from_numpy(rng.random((n, p)))
+    W = torch.from_numpy((rng.random((23, p)) > 0.2).astype(np.float64))
+    B0 = torch.from_numpy(rng.standard_normal((23, p))) * W
     before = torch.get_num_threads()
     results = []
     try:
-        for threads in (1, 2, 3):
+        for threads in (1, 2, 4):
             torch.set_num_threads(threads)
+            assert len(kernel._parts(p)) == threads
             Gc = G.clone()
             ok = kernel.cholesky(Gc, n, linalg.PIVOT_TOL)
             x = kernel.solve_(Gc, n, h.clone())
             var, Z = kernel.spread(Gc, n, T, True)
+            var_only, _ = kernel.spread(Gc, n, T, False)
             assert Z is not None
-            results.append([ok, Gc, x, var, Z])
+            results.append([ok, Gc, x, var, Z, var_only, *kernel.moments(A, B0, W, x0)])
     finally:
         torch.set_num_threads(before)
     for other in results[1:]:
@@ -209,11 +231,16 @@ def _run(A: np.ndarray, B: np.ndarray, config: LstsqSolve) -> dict[str, np.ndarr
 @needs_kernel
 @pytest.mark.parametrize("uncertainty", ["none", "stderr", "cov"])
 def test_solve_stage_agrees_with_the_eager_path_and_lstsq(
-    uncertainty: str, monkeypatch: pytest.MonkeyPatch
+    uncertainty: str, monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]
 ) -> None:
     A, B = _masked_cube(3)
     config = LstsqSolve(policy="minnorm", dtype="float64", uncertainty=uncertainty)
     compiled = _run(A, B, config)
+    ran = {"cholesky", "solve_", "moments", "load"}
+    ran |= {"spread", "statistics"} if uncertainty == "stderr" else set()
+    ran |= {"spread"} if uncertainty == "cov" else set()
+    assert ran <= set(calls), calls  # the compiled path did run
+    calls.clear()
     monkeypatch.setenv(kernel.ENV, "eager")
     kernel._library.cache_clear()
     try:
@@ -222,6 +249,7 @@ def test_solve_stage_agrees_with_the_eager_path_and_lstsq(
         monkeypatch.delenv(kernel.ENV)
         kernel._library.cache_clear()
     assert disagreements(compiled, reference) == []
+    assert not calls  # and the reference did not
     C = compiled["coefficients"]
     for p in range(3, 700, 37):
         ok = np.isfinite(B[:, p])
@@ -231,9 +259,22 @@ def test_solve_stage_agrees_with_the_eager_path_and_lstsq(
         assert compiled["residual_rms"][p] == pytest.approx(np.sqrt(np.mean(r**2)), rel=1e-10)
 
 
-def test_eager_choice_builds_nothing(eager: None) -> None:
+def test_eager_choice_builds_nothing(
+    eager: None, monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    from pathlib import Path
+
+    monkeypatch.setenv(kernel.DIR_ENV, str(tmp_path))
     assert kernel.name() == "eager"
     assert not kernel.usable(torch.zeros(2, 2, dtype=torch.float64))
+    assert not list(Path(str(tmp_path)).iterdir())
+
+
+@needs_kernel
+def test_no_pixels_is_no_work() -> None:
+    G = torch.zeros(3, 0, dtype=torch.float64)
+    assert kernel.cholesky(G, 2, linalg.PIVOT_TOL).shape == (0,)
+    assert kernel.solve_(G, 2, torch.zeros(2, 0, dtype=torch.float64)).shape == (2, 0)
 
 
 def test_missing_compiler_falls_back_with_a_warning(
@@ -314,14 +355,17 @@ def test_square_factor_and_solve_agree_with_eager(n: int) -> None:
 
 
 @needs_kernel
-def test_gapwise_dual_agrees_with_the_eager_path_and_lstsq(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gapwise_dual_agrees_with_the_eager_path_and_lstsq(
+    monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]
+) -> None:
     """coef > obs with gaps: the dual by gap groups (gs_gap_solve and the square factors)."""
     rng = np.random.default_rng(8)
-    A = rng.standard_normal((30, 45))
+    A = rng.standard_normal((30, 60))  # well-conditioned AAᵀ: the gap-wise dual takes it
     B = rng.standard_normal((30, 900)).astype(np.float32)
     B[rng.random(B.shape) < 0.2] = np.nan
     config = LstsqSolve(policy="minnorm", dtype="float64")
     compiled = _run(A, B, config)
+    assert {"cholesky", "gap_solve", "load"} <= set(calls), calls
     monkeypatch.setenv(kernel.ENV, "eager")
     kernel._library.cache_clear()
     try:
@@ -346,7 +390,9 @@ def test_gapwise_dual_agrees_with_the_eager_path_and_lstsq(monkeypatch: pytest.M
 @pytest.mark.parametrize("policy", ["minnorm", "ridge"])
 @pytest.mark.parametrize("cov_scale", ["residual", "unscaled"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_statistics_equal_the_numpy_ones(policy: str, cov_scale: str, dtype: str) -> None:
+def test_statistics_equal_the_numpy_ones(
+    policy: str, cov_scale: str, dtype: str, calls: dict[str, int]
+) -> None:
     """The per-pixel path's statistics (gs_statistics) against lstsq._statistics, bit for bit:
     both are the same correctly rounded IEEE operations."""
     from gridsolve.stages.solve import lstsq
@@ -378,6 +424,7 @@ def test_statistics_equal_the_numpy_ones(policy: str, cov_scale: str, dtype: str
         for name, values in want.items():
             np.testing.assert_array_equal(mom.out[name], values, err_msg=name)
             assert mom.out[name].dtype == values.dtype
+    assert calls.get("statistics") == 2  # the kernel made them, both times
 
 
 @needs_kernel
