@@ -305,9 +305,9 @@ def residual_moments(
 
     Over each column's ``n`` valid rows (``W`` > 0): of ``r = B0 − A x``, of ``√W·r``,
     of ``√W·(b − b̄)`` about the weighted mean, and of ``√W·b`` (these three only with
-    ``full``, else zeros). The compiled kernel reads
-    each pixel's data once; columns whose sums overflowed or
-    may have lost squares to underflow are redone as :func:`column_rms` does.
+    ``full``, else zeros). The compiled kernel reads each pixel's data once; columns
+    whose sums overflowed or may have lost squares to underflow are redone as
+    :func:`column_rms` does.
     """
     if not 1 <= A.shape[1] <= kernel.MAX_ORDER or not kernel.usable(A, B0, W, x):
         return None

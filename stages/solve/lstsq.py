@@ -940,7 +940,7 @@ def _per_pixel_chunk(blk: _Block, memory_budget: int, max_gaps: int | None) -> i
         # per-gap-count loops cost per batch, not per pixel.
         per_px = 8 * (12 * n_obs + 3 * coef + max_gaps * max_gaps)
         fit = chunk_size(work_share(memory_budget), per_px, minimum=1024)
-        return config.chunk_pixels or min(16384, fit)
+        return config.chunk_pixels or min(65536, fit)
     big = max(coef, n_obs) if (config.policy != "cholesky" and coef > n_obs) else coef
     per_px_bytes = 8 * (3 * big * big + 8 * n_obs + 6 * coef)
     if blk.mom is not None:  # the spread's per-pixel factors, and the moments' columns
