@@ -997,8 +997,12 @@ def _solve_batch(
 ) -> None:
     """Solve the ``active`` pixels of batch ``sel`` and store their results (and moments)."""
     device, At, mom = blk.device, systems.At, blk.mom
-    vmask = np.ascontiguousarray(g.valid[:, sel])
-    Vt_ = torch.from_numpy(vmask).to(device)
+
+    def valid_rows() -> tuple[np.ndarray, torch.Tensor]:
+        # only where the kernels do not take the batch (a copy of the batch's mask)
+        vmask = np.ascontiguousarray(g.valid[:, sel])
+        return vmask, torch.from_numpy(vmask).to(device)
+
     # Invalid observations are NaN, ±inf or carry zero weight: zero them (linalg's
     # contract: B0 is 0 where the weight is), weight them 0.
     # unit: the weights are the finite values' mask, made in the same pass
@@ -1009,7 +1013,7 @@ def _solve_batch(
         B0.nan_to_num_(0.0, 0.0, 0.0)
     else:  # the same values, in one pass
         B0, W01 = loaded
-    Wp = W01 if W01 is not None else _batch_weights(systems, sel, vmask, Vt_, device)
+    Wp = W01 if W01 is not None else _batch_weights(systems, sel, *valid_rows(), device)
     act = torch.from_numpy(active).to(device)
     sp = None
     unit = systems.unit
@@ -1030,7 +1034,7 @@ def _solve_batch(
     # compiled: the residual RMS and the moments in one read of the batch's data
     fused = linalg.residual_moments(At, B0, Wp, x, n_v, full=mom is not None)
     if fused is None:
-        R = linalg.colmm_sub(B0, At, x).mul_(Vt_)
+        R = linalg.colmm_sub(B0, At, x).mul_(valid_rows()[1])
         r_t = linalg.column_rms(R, n_v)
     else:
         r_t = fused[0]
