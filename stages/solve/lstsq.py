@@ -730,18 +730,13 @@ def _solve_block(
         gap_patterns = np.zeros(0, dtype=np.uint64)
     blk = _Block.start(B, op, config)
     enough = B.shape[0] >= op.min_valid  # else every pixel is too_few, gaps or not
-    # One pass: a NaN or inf anywhere makes the sum non-finite (so may an overflow of
-    # finite values: then the mask decides).
-    finite: np.ndarray | None = None
-    gap_free = bool(np.isfinite(B.sum()))
-    if not gap_free:
-        finite = np.isfinite(B)
-        gap_free = bool(finite.all())
+    # The mask at once: a sum to test for gaps first costs as much as the mask (measured:
+    # 2.2 ms each at 50 × 250,000 float32), and gappy blocks need the mask anyway.
+    finite = np.isfinite(B)
+    gap_free = bool(finite.all())
     if own_weights is None and (op.sqrtw > 0).all() and gap_free and enough:
         # No gaps: every pixel uses the shared operator; no grouping, no copies.
         return _solve_gapless(blk)
-    if finite is None:
-        finite = np.isfinite(B)
     g = _start_gappy(blk, finite, own_weights)
     if own_weights is None:
         _solve_patterns(blk, g, finite, gap_patterns)
