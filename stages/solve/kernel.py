@@ -212,6 +212,43 @@ GS_API void gs_solve(long n, long sq, long P, const double *G, double *h, long p
 GS_LOAD(gs_load_f32, float)
 GS_LOAD(gs_load_f64, double)
 
+/* linalg._step for one (x, dx) pair, pixels [p0, p1): x += dx where the pixel is refined
+   (every pixel when conv_in is NULL, else those with ok and not conv_in); conv_out =
+   conv_in, or refined with ok and max|dx| <= tol * max|x|, max|x| finite (NaN never is). */
+GS_API void gs_step(long n, long P, double *x, const double *dx, const unsigned char *ok,
+                    const unsigned char *conv_in, unsigned char *conv_out, double tol, long p0,
+                    long p1)
+{
+    for (long b0 = p0; b0 < p1; b0 += BW) {
+        long w = p1 - b0 < BW ? p1 - b0 : BW;
+        /* flags as doubles: selects on bytes keep GCC from vectorising */
+        double act[BW], was[BW], okd[BW], xm[BW], dm[BW];
+        for (long p = 0; p < w; ++p) {
+            okd[p] = (double)ok[b0 + p];
+            was[p] = conv_in ? (double)conv_in[b0 + p] : 0.0;
+        }
+        for (long p = 0; p < w; ++p) {
+            act[p] = conv_in ? okd[p] * (1.0 - was[p]) : 1.0;
+            xm[p] = 0.0, dm[p] = 0.0;
+        }
+        for (long k = 0; k < n; ++k) {
+            double *restrict xk = x + k * P + b0;
+            const double *restrict dk = dx + k * P + b0;
+            for (long p = 0; p < w; ++p) {
+                double nx = act[p] > 0.5 ? xk[p] + dk[p] : xk[p];
+                xk[p] = nx;
+                double a = fabs(nx), d = fabs(dk[p]);
+                xm[p] = (a > xm[p]) | (a != a) ? a : xm[p];
+                dm[p] = (d > dm[p]) | (d != d) ? d : dm[p];
+            }
+        }
+        for (long p = 0; p < w; ++p) {
+            int now = (act[p] > 0.5) & (okd[p] > 0.5) & (xm[p] <= DBL_MAX) & (dm[p] <= tol * xm[p]);
+            conv_out[b0 + p] = (unsigned char)((was[p] > 0.5) | now);
+        }
+    }
+}
+
 /* The gap-wise dual's solve (linalg._dual_schur) for pixels [p0, p1) of a group of np
    pixels with k gaps each, which are columns a + p of u and Z (P columns, row-major):
    Z[rows[i][p]][a + p] = ((L L^T)^-1 h)[i] with h[i] = u[rows[i][p]][a + p], L square
@@ -681,6 +718,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype = None
     lib.gs_spread_var.argtypes = [L, L, V, V, V, L, L]
     lib.gs_spread_var.restype = ctypes.c_int
+    lib.gs_step.argtypes = [L, L, V, V, V, V, V, D, L, L]
+    lib.gs_step.restype = None
     lib.gs_gap_solve.argtypes = [L, L, V, V, V, V, L, L, L, L]
     lib.gs_gap_solve.restype = None
     lib.gs_moments.argtypes = [L, L, L, V, V, V, V, L, V, V, V, V, L, L]
@@ -783,6 +822,25 @@ def solve_(G: torch.Tensor, n: int, h: torch.Tensor, square: bool = False) -> to
     assert lib is not None
     _run(lib.gs_solve, (n, int(square), h.shape[1], G.data_ptr(), h.data_ptr()), h.shape[1])
     return h
+
+
+def step(
+    x: torch.Tensor, dx: torch.Tensor, ok: torch.Tensor, conv: torch.Tensor | None, tol: float
+) -> torch.Tensor:
+    """:func:`linalg._step` for one pair, ``x`` corrected in place; which pixels converged."""
+    lib = _library()
+    assert lib is not None
+    n, p = x.shape
+    flags = [ok] if conv is None else [ok, conv]
+    if dx.shape != x.shape or not all(
+        f.shape == (p,) and f.dtype == torch.bool and f.is_contiguous() for f in flags
+    ):
+        raise ValueError("step: x and dx (n, P), ok and conv (P,) contiguous bool")
+    out = torch.empty(p, dtype=torch.bool)
+    cp = None if conv is None else conv.data_ptr()
+    args = (n, p, x.data_ptr(), dx.data_ptr(), ok.data_ptr(), cp, out.data_ptr(), tol)
+    _run(lib.gs_step, args, p)
+    return out
 
 
 def gap_solve(

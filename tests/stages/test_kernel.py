@@ -31,7 +31,16 @@ needs_kernel = pytest.mark.skipif(
 def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """How often each compiled kernel ran inside the test (its wrapper in kernel.py)."""
     seen: dict[str, int] = {}
-    for name in ("cholesky", "solve_", "spread", "moments", "load", "statistics", "gap_solve"):
+    for name in (
+        "cholesky",
+        "solve_",
+        "spread",
+        "moments",
+        "load",
+        "statistics",
+        "gap_solve",
+        "step",
+    ):
         fn = getattr(kernel, name)
 
         def counted(*args: object, _fn: object = fn, _name: str = name, **kw: object) -> object:
@@ -459,3 +468,33 @@ def test_residual_without_moments_equals_the_full_sums() -> None:
     short = kernel.moments(*args, full=False)
     assert torch.equal(full[0], short[0])
     assert all(bool((s == 0).all()) for s in short[1:])
+
+
+@needs_kernel
+def test_refinement_step_equals_the_eager_one(calls: dict[str, int]) -> None:
+    """gs_step: the same additions as linalg._step's, the same convergence flags."""
+    rng = np.random.default_rng(14)
+    n, p = 7, 700
+    x0 = torch.from_numpy(rng.standard_normal((n, p)))
+    dx = torch.from_numpy(rng.standard_normal((n, p)) * 10.0 ** rng.integers(-16, -8, p))
+    x0[2, 5], dx[3, 6], x0[1, 7], dx[0, 8] = np.nan, np.nan, np.inf, np.inf
+    ok = torch.from_numpy(rng.random(p) > 0.1)
+    got, want = [], []
+    for use_kernel, out in ((True, got), (False, want)):
+        with pytest.MonkeyPatch.context() as mp:
+            if not use_kernel:
+                mp.setattr(kernel, "usable", lambda *t: False)
+            x = x0.clone()
+            conv, (x,) = linalg._step(ok, None, (x, dx.clone()))
+            first = (conv.clone(), x.clone())
+            conv, (x,) = linalg._step(ok, conv, (x, dx * 1e-6))
+            out.extend([*first, conv, x])
+    assert calls.get("step") == 2
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.isnan(), w.isnan()) if g.is_floating_point() else True
+        assert (
+            torch.equal(torch.nan_to_num(g), torch.nan_to_num(w))
+            if g.is_floating_point()
+            else torch.equal(g, w)
+        )
+    assert bool(got[0].any()) and not bool(got[0].all())  # some converged, some not
