@@ -14,9 +14,14 @@ What they do (each replaces an eager function of :mod:`~gridsolve.stages.solve.l
   read of the batch's data instead of a product, a mask and a pairwise sum each
   (:func:`linalg.residual_moments`).
 
-The refinement of the solutions stays in torch: its residuals are matrix products,
-which MKL does faster than a compiled per-pixel loop (measured on this project's
-machine: 1.8 ms against 2.6 ms per batch of 16,384 pixels).
+* ``gs_step``: a refinement step's correction and convergence test (:func:`linalg._step`).
+* ``gs_load``, ``gs_statistics``, ``gs_gap_solve``: a batch's data as float64 (and its
+  0/1 weights), the uncertainty's statistics straight into the outputs, and the
+  gap-wise dual's gather-solve-scatter.
+
+The refinement's residuals stay torch's: they are matrix products, which MKL does
+faster than a compiled per-pixel loop (measured on this project's machine: 1.8 ms
+against 2.6 ms per batch of 16,384 pixels).
 
 The eager functions stay the reference and the fallback (no C compiler, a device
 other than the CPU, or ``GRIDSOLVE_SOLVE_KERNEL=eager``). Both are free of fused
