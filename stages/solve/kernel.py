@@ -575,6 +575,22 @@ static TGT int moments_all_SFX(long n, long m, long P, const double *A, const do
 """
 
 _ENTRY = r"""
+/* The widest vector version this CPU runs (3 AVX-512, 2 AVX2, 1 SSE2), or a narrower
+   one asked for by gs_use_isa (tests run every version on one machine). */
+static int gs_isa_limit = 3;
+
+static int gs_isa(void)
+{
+    __builtin_cpu_init();
+    int best = __builtin_cpu_supports("avx512f") ? 3 : __builtin_cpu_supports("avx2") ? 2 : 1;
+    return best < gs_isa_limit ? best : gs_isa_limit;
+}
+
+int gs_use_isa(int limit)
+{
+    gs_isa_limit = limit;
+    return gs_isa();
+}
 
 /* var[k] = sum_i Z[i][k]^2 of Z = L^-1 T per pixel of [p0, p1) (L packed, n <= 16; T
    lower triangular row-major, NULL: the identity): gs_spread without Z. Returns -1
@@ -583,9 +599,9 @@ int gs_spread_var(long n, long P, const double *G, const double *T, double *var,
                   long p1)
 {
     if (n < 1 || n > NMAX) return -1;
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return spread_all_avx512(n, P, G, T, var, p0, p1);
-    if (__builtin_cpu_supports("avx2")) return spread_all_avx2(n, P, G, T, var, p0, p1);
+    int isa = gs_isa();
+    if (isa >= 3) return spread_all_avx512(n, P, G, T, var, p0, p1);
+    if (isa == 2) return spread_all_avx2(n, P, G, T, var, p0, p1);
     return spread_all_sse2(n, P, G, T, var, p0, p1);
 }
 
@@ -598,10 +614,10 @@ int gs_moments(long n, long m, long P, const double *A, const double *B0, const 
                long p0, long p1)
 {
     if (n < 1 || n > NMAX) return -1;
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f"))
+    int isa = gs_isa();
+    if (isa >= 3)
         return moments_all_avx512(n, m, P, A, B0, W, x, full, ss, wss, tss, uss, p0, p1);
-    if (__builtin_cpu_supports("avx2"))
+    if (isa == 2)
         return moments_all_avx2(n, m, P, A, B0, W, x, full, ss, wss, tss, uss, p0, p1);
     return moments_all_sse2(n, m, P, A, B0, W, x, full, ss, wss, tss, uss, p0, p1);
 }
@@ -723,6 +739,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype = None
     lib.gs_spread_var.argtypes = [L, L, V, V, V, L, L]
     lib.gs_spread_var.restype = ctypes.c_int
+    lib.gs_use_isa.argtypes = [ctypes.c_int]
+    lib.gs_use_isa.restype = ctypes.c_int
     lib.gs_step.argtypes = [L, L, V, V, V, V, V, D, L, L]
     lib.gs_step.restype = None
     lib.gs_gap_solve.argtypes = [L, L, V, V, V, V, L, L, L, L]
@@ -762,6 +780,16 @@ def _library() -> ctypes.CDLL | None:
         stacklevel=3,
     )
     return None
+
+
+def use_isa(limit: int) -> int:
+    """Cap the register kernels' vector version; the one now used (3 AVX-512, 2 AVX2, 1 SSE2).
+
+    For tests, which run every version on one machine.
+    """
+    lib = _library()
+    assert lib is not None
+    return int(lib.gs_use_isa(int(limit)))
 
 
 def name() -> str:

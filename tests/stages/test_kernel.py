@@ -498,3 +498,30 @@ def test_refinement_step_equals_the_eager_one(calls: dict[str, int]) -> None:
             else torch.equal(g, w)
         )
     assert bool(got[0].any()) and not bool(got[0].all())  # some converged, some not
+
+
+@needs_kernel
+def test_every_vector_version_gives_the_same_bits() -> None:
+    """The register kernels' AVX-512, AVX2 and SSE2 versions (an AMD or older CPU runs
+    another one than this machine): the same lanes of the same operations, so the same bits."""
+    rng = np.random.default_rng(15)
+    n, m, p = 10, 37, 203  # a ragged last group for every lane count
+    A, x = torch.from_numpy(rng.standard_normal((m, n))), torch.from_numpy(rng.random((n, p)))
+    W = torch.from_numpy((rng.random((m, p)) > 0.2) * (rng.random((m, p)) + 0.5))
+    B0 = torch.from_numpy(rng.standard_normal((m, p))) * (W > 0)
+    G, _, T = _systems(n, p, seed=15)
+    kernel.cholesky(G, n, linalg.PIVOT_TOL)
+    best = kernel.use_isa(3)
+    results = {}
+    try:
+        for isa in range(1, best + 1):
+            assert kernel.use_isa(isa) == isa
+            var, _ = kernel.spread(G, n, T, False)
+            results[isa] = [var, *kernel.moments(A, B0, W, x)]
+    finally:
+        kernel.use_isa(3)
+    assert len(results) >= 2  # every x86-64 CPU has SSE2; this machine at least AVX2 too
+    for isa, got in results.items():
+        for a, b in zip(got, results[1], strict=True):
+            assert torch.equal(a.isnan(), b.isnan()), isa
+            assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), isa
