@@ -782,13 +782,20 @@ def _library() -> ctypes.CDLL | None:
     return None
 
 
+def _loaded() -> ctypes.CDLL:
+    """The library, for the wrappers below (their callers checked :func:`usable`)."""
+    lib = _library()
+    if lib is None:
+        raise KernelUnavailable(f"the solve kernel is not loaded ({ENV}={choice()})")
+    return lib
+
+
 def use_isa(limit: int) -> int:
     """Cap the register kernels' vector version; the one now used (3 AVX-512, 2 AVX2, 1 SSE2).
 
     For tests, which run every version on one machine.
     """
-    lib = _library()
-    assert lib is not None
+    lib = _loaded()
     return int(lib.gs_use_isa(int(limit)))
 
 
@@ -838,8 +845,7 @@ def cholesky(G: torch.Tensor, n: int, tol: float, square: bool = False) -> torch
     :func:`linalg.packed_cholesky`, or with ``square`` (G: n × n × P)
     :func:`linalg.batched_cholesky`.
     """
-    lib = _library()
-    assert lib is not None
+    lib = _loaded()
     p = G.shape[-1]
     ok = torch.empty(p, dtype=torch.bool)
     _run(lib.gs_cholesky, (n, int(square), p, G.data_ptr(), ok.data_ptr(), tol), p)
@@ -851,8 +857,7 @@ def solve_(G: torch.Tensor, n: int, h: torch.Tensor, square: bool = False) -> to
 
     :meth:`linalg.PackedFactor.solve_`, or with ``square`` :func:`linalg.cholesky_solve`.
     """
-    lib = _library()
-    assert lib is not None
+    lib = _loaded()
     _run(lib.gs_solve, (n, int(square), h.shape[1], G.data_ptr(), h.data_ptr()), h.shape[1])
     return h
 
@@ -861,8 +866,7 @@ def step(
     x: torch.Tensor, dx: torch.Tensor, ok: torch.Tensor, conv: torch.Tensor | None, tol: float
 ) -> torch.Tensor:
     """:func:`linalg._step` for one pair, ``x`` corrected in place; which pixels converged."""
-    lib = _library()
-    assert lib is not None
+    lib = _loaded()
     n, p = x.shape
     flags = [ok] if conv is None else [ok, conv]
     if dx.shape != x.shape or not all(
@@ -884,8 +888,7 @@ def gap_solve(
     For the group's pixels (columns ``a`` on of ``u`` and ``Z``, both contiguous):
     ``Z[rows] = (L Lᵀ)⁻¹ u[rows]``; ``L`` (k, k, n), ``rows`` (k, n) int64.
     """
-    lib = _library()
-    assert lib is not None
+    lib = _loaded()
     k, n = rows.shape
     if not (
         rows.dtype == torch.int64
@@ -928,8 +931,7 @@ def statistics(
     ``n_valid`` int32, ``wrms``, ``trms``, ``edf`` float64 and ``out``'s ``dof``,
     ``r2`` (float64) and ``uncertainty_flags`` (int8) are contiguous.
     """
-    lib = _library()
-    assert lib is not None
+    lib = _loaded()
     p = C.shape[1]
     se, t = out["coef_stderr"], out["t_value"]
     # checked here, not asserted: they guard raw pointers (python -O drops asserts)
@@ -974,8 +976,7 @@ def spread(
     G: torch.Tensor, n: int, T: torch.Tensor | None, want_z: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``diag(ZᵀZ)`` (n, P) for ``Z = L⁻¹T`` per pixel, and ``Z`` (n, n, P) when asked."""
-    lib = _library()
-    assert lib is not None
+    lib = _loaded()
     p = G.shape[1]
     var = torch.empty((n, p), dtype=torch.float64)
     Z = torch.empty((n, n, p), dtype=torch.float64) if want_z else None
@@ -1030,8 +1031,7 @@ def moments(
     ``Σ W (b − b̄)²`` about the weighted mean ``b̄``, and ``Σ W b²``. ``A`` has at most
     :data:`MAX_ORDER` columns.
     """
-    lib = _library()
-    assert lib is not None
+    lib = _loaded()
     m, n = A.shape
     p = x.shape[1]
     Ac = A.contiguous()

@@ -33,6 +33,7 @@ than the rest of the uncertainty, and a stored copy would be derived data).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -993,6 +994,7 @@ def _solve_batch(
     """Solve the ``active`` pixels of batch ``sel`` and store their results (and moments)."""
     device, At, mom = blk.device, systems.At, blk.mom
 
+    @functools.cache
     def valid_rows() -> tuple[np.ndarray, torch.Tensor]:
         # only where the kernels do not take the batch (a copy of the batch's mask)
         vmask = np.ascontiguousarray(g.valid[:, sel])

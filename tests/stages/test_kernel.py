@@ -237,6 +237,19 @@ def _run(A: np.ndarray, B: np.ndarray, config: LstsqSolve) -> dict[str, np.ndarr
     return dict(out.arrays)
 
 
+def _run_eager(
+    A: np.ndarray, B: np.ndarray, config: LstsqSolve, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, np.ndarray]:
+    """:func:`_run` on the eager path (the compiled library is back afterwards)."""
+    monkeypatch.setenv(kernel.ENV, "eager")
+    kernel._library.cache_clear()
+    try:
+        return _run(A, B, config)
+    finally:
+        monkeypatch.delenv(kernel.ENV)
+        kernel._library.cache_clear()
+
+
 @needs_kernel
 @pytest.mark.parametrize("uncertainty", ["none", "stderr", "cov"])
 def test_solve_stage_agrees_with_the_eager_path_and_lstsq(
@@ -250,13 +263,7 @@ def test_solve_stage_agrees_with_the_eager_path_and_lstsq(
     ran |= {"spread"} if uncertainty == "cov" else set()
     assert ran <= set(calls), calls  # the compiled path did run
     calls.clear()
-    monkeypatch.setenv(kernel.ENV, "eager")
-    kernel._library.cache_clear()
-    try:
-        reference = _run(A, B, config)
-    finally:
-        monkeypatch.delenv(kernel.ENV)
-        kernel._library.cache_clear()
+    reference = _run_eager(A, B, config, monkeypatch)
     assert disagreements(compiled, reference) == []
     assert not calls  # and the reference did not
     C = compiled["coefficients"]
@@ -375,13 +382,7 @@ def test_gapwise_dual_agrees_with_the_eager_path_and_lstsq(
     config = LstsqSolve(policy="minnorm", dtype="float64")
     compiled = _run(A, B, config)
     assert {"cholesky", "gap_solve", "load"} <= set(calls), calls
-    monkeypatch.setenv(kernel.ENV, "eager")
-    kernel._library.cache_clear()
-    try:
-        reference = _run(A, B, config)
-    finally:
-        monkeypatch.delenv(kernel.ENV)
-        kernel._library.cache_clear()
+    reference = _run_eager(A, B, config, monkeypatch)
     # A minimum-norm fit with coef > obs interpolates: its residual RMS is rounding noise
     # (≈ 1e-16), which no relative bound holds between two computations; both must be
     # that small against the data instead.
