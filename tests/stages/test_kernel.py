@@ -513,6 +513,8 @@ def test_every_vector_version_gives_the_same_bits() -> None:
     G, _, T = _systems(n, p, seed=15)
     kernel.cholesky(G, n, linalg.PIVOT_TOL)
     best = kernel.use_isa(3)
+    if best < 2:
+        pytest.skip("this CPU has SSE2 only: one vector version, nothing to compare")
     results = {}
     try:
         for isa in range(1, best + 1):
@@ -521,7 +523,7 @@ def test_every_vector_version_gives_the_same_bits() -> None:
             results[isa] = [var, *kernel.moments(A, B0, W, x)]
     finally:
         kernel.use_isa(3)
-    assert len(results) >= 2  # every x86-64 CPU has SSE2; this machine at least AVX2 too
+    assert len(results) == best >= 2  # SSE2 and AVX2, and AVX-512 where the CPU has it
     for isa, got in results.items():
         for a, b in zip(got, results[1], strict=True):
             assert torch.equal(a.isnan(), b.isnan()), isa
