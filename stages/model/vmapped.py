@@ -540,7 +540,7 @@ def _per_sample_fns(
 
 
 #: A chunk kernel: (params, buffers, x (coef, m), target (n_out, m) | None, outputs) → finite (m,)
-#: or None (not computed).
+#: or None (not computed: the caller checks the outputs).
 Kernel = Callable[
     [
         dict[str, torch.Tensor],
@@ -584,8 +584,12 @@ def make_kernel(module: nn.Module, config: ModelConfig, shape: tuple[int, ...]) 
         outputs: dict[str, torch.Tensor],
     ) -> torch.Tensor | None:
         m = x.shape[-1]
-        # Pixel-first and contiguous: each sample's values adjacent, as the model's ops expect.
-        xs = x.t().contiguous().reshape(m, *shape)
+        # Pixel-first: eager, contiguous, each sample's values adjacent, as the model's ops
+        # expect. Compiled, a transposed view: inductor then reads the stored layout directly
+        # instead of copying it and transposing it back for gradients that are (functions of)
+        # the input (10×10×4 model, 250,000 pixels: 0.100 s against 0.143 s).
+        xt = x.t()
+        xs = (xt if torch.compiler.is_compiling() else xt.contiguous()).reshape(m, *shape)
         g, y = grads(params, buffers, xs, None if t is None else t.t())
         values = {"prediction": y, **_named(g, config.wrt, "grad")}
         if jac is not None:
@@ -595,10 +599,16 @@ def make_kernel(module: nn.Module, config: ModelConfig, shape: tuple[int, ...]) 
         if not torch.compiler.is_compiling():
             # Eager isfinite is three passes with temporaries; numpy's is one (the caller).
             return None
-        # Compiled, this fuses into the kernels that write the outputs.
+        # Compiled, this fuses into the kernels that write the outputs. o - o is 0 for a finite
+        # o and NaN for ±inf or NaN, so a pixel's sum of them is 0 exactly when all its outputs
+        # are finite: the flags of isfinite().all(), as a float sum that inductor vectorises
+        # across pixels; it ran isfinite().all() one element at a time (121 vs 91 ms for
+        # 250,000 pixels of the 10×10×4 model). compiled_kernel checks these flags against
+        # numpy's on a pixel with NaN input before the kernel is used.
         finite = torch.ones(m, dtype=torch.bool, device=x.device)
         for name in values:
-            finite &= torch.isfinite(outputs[name]).reshape(-1, m).all(dim=0)
+            o = outputs[name].reshape(-1, m)
+            finite &= (o - o).sum(dim=0) == 0
         return finite
 
     return kernel
@@ -606,9 +616,9 @@ def make_kernel(module: nn.Module, config: ModelConfig, shape: tuple[int, ...]) 
 
 # ---------------------------------------------------------------- compiled kernels
 #: ``compile: auto`` compiles for grids of at least this many pixels. Measured on the
-#: 10×10×4 model (bench_model.py, 2 cores): compiling costs ≈ 6-9 s per process with
-#: inductor's disk cache warm (≈ 20 s cold) and saves ≈ 0.3 µs per pixel over eager
-#: (0.31 s vs 0.39 s for 250,000 pixels), so it pays there only beyond ≈ 20M pixels;
+#: 10×10×4 model (bench_model.py, 2 cores): compiling costs ≈ 5-9 s per process with
+#: inductor's disk cache warm (≈ 20 s cold) and saves ≈ 0.6 µs per pixel over eager
+#: (0.09 s vs 0.25 s for 250,000 pixels), so it pays there only beyond ≈ 10-30M pixels;
 #: models whose eager backward is heavier pay sooner (set ``compile: always``). A pixel
 #: count, not a timing, so the choice (and the output's bits) is the same on every run.
 COMPILE_MIN_PIXELS = 20_000_000
@@ -617,6 +627,11 @@ COMPILE_MIN_PIXELS = 20_000_000
 #: still in cache when they are written pixel-last (measured on the 10×10×4 model, 2 cores:
 #: 4,096-pixel chunks 0.67 s, 32,768-pixel chunks 2.3 s for 250,000 pixels, eager).
 CHUNK_BYTES = 8 * 2**20
+
+#: The same for a compiled kernel, which writes the stored layout directly (nothing to keep
+#: in cache), so larger chunks only save its per-call cost, ≈ 0.2 ms (10×10×4 model, 250,000
+#: pixels: 0.100 s with 8 MiB chunks, 0.094 s with 32 MiB).
+CHUNK_BYTES_COMPILED = 32 * 2**20
 
 #: Pixels on which a freshly compiled kernel is checked against the eager one.
 COMPILE_CHECK_PIXELS = 64
@@ -669,9 +684,11 @@ def compiled_kernel(
 
     The first time, the compiled kernel is run on ``probe`` (params, buffers,
     x, target) and compared with ``eager`` under the agreement bound
-    (``stages/engine/agreement.py``); a compile error or any disagreement
-    is logged and the stage runs eager: the compiled path never changes
-    results beyond what the bound allows, so it is not part of the cache key.
+    (``stages/engine/agreement.py``), and its finite flags, on the probe and
+    on the probe with one pixel's input NaN, with numpy's ``isfinite`` of its
+    outputs; a compile error or any disagreement is logged and the stage runs
+    eager: the compiled path never changes results beyond what the bound
+    allows, so it is not part of the cache key.
     """
     with _COMPILED_LOCK:
         entry = _COMPILED.get(key)
@@ -688,9 +705,16 @@ def compiled_kernel(
                 params, buffers, x, t = probe
                 got, want = empty(int(x.shape[-1])), empty(int(x.shape[-1]))
                 _pixels_dynamic(x, t, *got.values())
-                fn(params, buffers, x, t, got)
+                flags = fn(params, buffers, x, t, got)
                 eager(params, buffers, x, t, want)
                 problems = disagreements(_host(got), _host(want))
+                problems += _flag_problems(flags, got)
+                # The same on a pixel with NaN input: its outputs are then (for most models)
+                # not finite, and the compiled flags must say so.
+                x_nan = x.clone()
+                x_nan[..., 0] = float("nan")
+                _pixels_dynamic(x_nan)
+                problems += _flag_problems(fn(params, buffers, x_nan, t, got), got)
             except Exception as exc:
                 logger.warning("model: torch.compile failed, running eager: %s", _first_line(exc))
             else:
@@ -703,6 +727,19 @@ def compiled_kernel(
                 else:
                     entry.fn = fn
     return entry.fn
+
+
+def _flag_problems(flags: torch.Tensor | None, outputs: Mapping[str, torch.Tensor]) -> list[str]:
+    """Where a compiled kernel's finite flags differ from numpy's isfinite on its outputs."""
+    if flags is None:
+        return []
+    host = _host(outputs)
+    m = int(flags.shape[0])
+    want = np.ones(m, bool)
+    for arr in host.values():
+        want &= np.isfinite(arr.reshape(-1, m)).all(axis=0)
+    wrong = int((flags.cpu().numpy() != want).sum())
+    return [f"finite flags wrong at {wrong} of {m} pixels"] if wrong else []
 
 
 def _forget_compiled(key: str | None = None) -> None:
@@ -807,8 +844,8 @@ def run_tile(
     """Predictions, per-sample gradients (and Jacobians) and the model status of one tile."""
     run = _plan_run(config, inputs, prepared, tile)
     eager = run.eager
-    chunk = _chunk_pixels(config, run, ctx.memory_budget)
     kernel, compile_key = _pick_kernel(run, config, inputs, prepared, ctx.logger)
+    chunk = _chunk_pixels(config, run, ctx.memory_budget, compiled=kernel is not eager)
     kernel = _run_chunks(run, kernel, chunk, compile_key, ctx.logger)
     out, finite_out = _tile_outputs(run)
     px = run.px
@@ -881,12 +918,13 @@ def _plan_run(
     )
 
 
-def _chunk_pixels(config: ModelConfig, run: _TileRun, memory_budget: int) -> int:
+def _chunk_pixels(config: ModelConfig, run: _TileRun, memory_budget: int, compiled: bool) -> int:
     """Pixels per chunk."""
     coef = run.px.X.shape[0]
     per_px = run.np_dtype.itemsize * (sum(int(np.prod(s)) for s in run.shapes.values()) + coef)
+    target = CHUNK_BYTES_COMPILED if compiled else CHUNK_BYTES
     return config.chunk_pixels or max(
-        256, min(chunk_size(CHUNK_BYTES, per_px), chunk_size(work_share(memory_budget), 4 * per_px))
+        256, min(chunk_size(target, per_px), chunk_size(work_share(memory_budget), 4 * per_px))
     )
 
 

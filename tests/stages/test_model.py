@@ -453,21 +453,56 @@ def test_nan_target_flags_model_status(chain: Chain, write_cube: Any, tmp_path: 
         np.testing.assert_array_equal(var[:], expected)
 
 
-def test_non_finite_outputs_are_not_ok(chain: Chain, grid: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("compile_mode", ["never", "always"])
+def test_non_finite_outputs_are_not_ok(
+    chain: Chain, grid: Path, tmp_path: Path, compile_mode: str
+) -> None:
+    """A pixel is output_not_finite exactly when one of its stored outputs is NaN or ±inf.
+
+    Both kernels: the compiled one flags pixels with its own reduction. The
+    outputs mix NaN (log of a negative), +inf (log of an overflowed product),
+    huge finite values and ordinary ones.
+    """
+    from gridsolve.stages.model import vmapped
+
     coefs = run_model(chain, grid, MultidimLinearModel(input_dim=3, hidden_dim=2))["coefficients"]
+    c0 = coefs[0].ravel().astype(np.float64)
     ref = my_models.LogOutput()
-    with torch.no_grad():  # log(c0 - median(c0)) is NaN for about half the pixels
+    scale = 1.0e38
+    with torch.no_grad():
         ref.lin.weight.zero_()
-        ref.lin.weight[:, 0] = 1.0
-        ref.lin.bias.copy_(torch.tensor([-float(np.median(coefs[0])), 100.0]))
+        # Output 0: log(s·c0 + b) is +inf where s·c0 + b overflows float32 (a quarter of the
+        # pixels) and a finite value near log(3.4e38) elsewhere; output 1: log(c0 - median)
+        # is NaN for half of the pixels. c0 may be of either sign.
+        sign = 1.0 if np.median(c0) > 0 else -1.0
+        q = float(np.quantile(sign * c0, 0.75))
+        ref.lin.weight[0, 0] = sign * scale
+        ref.lin.weight[1, 0] = 1.0
+        ref.lin.bias.copy_(torch.tensor([3.4e38 - scale * q, -float(np.median(c0))]))
     path = checkpoint(ref, tmp_path / "log.pt")
-    out = run_model(
-        Chain(chain.ctx),
-        grid,
-        ModuleModel(target="my_models:LogOutput", input_shape=(6,), weights=str(path)),
-    )
-    bad = ~np.isfinite(out["prediction"]).all(axis=0)
-    assert 0 < bad.sum() < bad.size  # the case under test: some outputs are NaN, some not
+    vmapped._forget_compiled()
+    run = Chain(chain.ctx)
+    try:
+        out = run_model(
+            run,
+            grid,
+            ModuleModel(
+                target="my_models:LogOutput",
+                input_shape=(6,),
+                weights=str(path),
+                compile=compile_mode,
+            ),
+        )
+    finally:
+        vmapped._forget_compiled()
+    assert kernel_used(run) == ("compiled" if compile_mode == "always" else "eager")
+    pred = out["prediction"]
+    assert np.isnan(pred).any() and np.isposinf(pred).any() and np.isfinite(pred).any()
+    stored = [v for k, v in out.items() if k == "prediction" or k.startswith("grad:")]
+    bad = np.zeros(pred.shape[1:], bool)
+    for v in stored:
+        bad |= ~np.isfinite(v.reshape(-1, *pred.shape[1:])).all(axis=0)
+    assert 0 < bad.sum() < bad.size
     status = out["model_status"]
     np.testing.assert_array_equal(status[bad], MODEL_STATUS_CODES["output_not_finite"])
     assert (status[~bad] == MODEL_STATUS_CODES["ok"]).all()
@@ -573,6 +608,28 @@ def test_compiled_kernel_that_disagrees_is_not_used(
     assert kernel_used(chain) == "eager"
     assert "disagrees with eager beyond the agreement bound" in caplog.text
     assert "prediction" in caplog.text
+
+
+def test_compiled_kernel_with_wrong_finite_flags_is_not_used(
+    chain: Chain, grid: Path, fresh_kernels: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    """Flags that call a NaN output finite (e.g. a compiler folding o - o to 0) are caught."""
+    real_compile = torch.compile
+
+    def all_finite(fn: Any, **kwargs: Any) -> Any:
+        compiled = real_compile(fn, **kwargs)
+
+        def run(*args: Any) -> Any:
+            flags = compiled(*args)
+            return None if flags is None else torch.ones_like(flags)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", all_finite)
+    with caplog.at_level("WARNING", logger="gridsolve"):
+        run_model(chain, grid, MultidimLinearModel(input_dim=3, hidden_dim=2, compile="always"))
+    assert kernel_used(chain) == "eager"
+    assert "finite flags wrong at 1 of" in caplog.text
 
 
 def test_compile_is_speed_only(chain: Chain, grid: Path) -> None:
