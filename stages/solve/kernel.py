@@ -8,7 +8,9 @@ What they do (each replaces an eager function of :mod:`~gridsolve.stages.solve.l
   :func:`linalg._primal_spread`). In torch these are a loop over the matrix order of
   elementwise operations on (·, pixels) arrays: hundreds of operations per batch, each
   a pass through memory. Here the pixels are the innermost loop, 64 at a time, so a
-  block's factors stay in the L1 cache.
+  block's factors stay in the L1 cache. When only the variances are wanted,
+  ``gs_cholesky`` computes them block by block as it factors (``spread=``), instead
+  of a second read of every factor.
 * ``gs_moments``: the residual RMS of every pixel and the moments of the uncertainty
   option (weighted residual RMS, RMS about the weighted mean, uncentred RMS), in one
   read of the batch's data instead of a product, a mask and a pairwise sum each
@@ -109,9 +111,13 @@ static inline long ix(long r, long j, long n, long sq) { return sq ? r * n + j :
 /* Cholesky in place, pixels [p0, p1) of G: packed (n(n+1)/2, P), linalg.packed_cholesky,
    or square (n, n, P) with sq, linalg.batched_cholesky (its lower triangle becomes the
    factor; the upper is left alone). ok[p] = 1 where every pivot exceeds tol times its
-   diagonal entry (and the smallest normal double). Returns -1 when out of memory. */
-GS_API int gs_cholesky(long n, long sq, long P, double *G, unsigned char *ok, double tol, long p0,
-                       long p1)
+   diagonal entry (and the smallest normal double). With var (packed only, n <= 16), each
+   block's gs_spread_var too, while its factor is in cache. Returns -1 when out of memory. */
+int gs_spread_var(long n, long P, const double *G, const double *T, double *var, long p0,
+                  long p1);
+
+GS_API int gs_cholesky(long n, long sq, long P, double *G, unsigned char *ok, double tol,
+                       const double *T, double *var, long p0, long p1)
 {
     double *diag = malloc(sizeof(double) * (size_t)(n * BW + 1));
     if (!diag) return -1;
@@ -146,6 +152,10 @@ GS_API int gs_cholesky(long n, long sq, long P, double *G, unsigned char *ok, do
                     for (long p = 0; p < w; ++p) dst[p] -= lr[p] * lc[p];
                 }
             }
+        }
+        if (var && !sq && gs_spread_var(n, P, G, T, var, b0, b0 + w)) {
+            free(diag);
+            return -1;
         }
     }
     free(diag);
@@ -503,12 +513,15 @@ AIT void spread_SFX(const long n, const double *G, long gs, const double *T, dou
     for (long i = 0; i < n; ++i) inv[i] = one / ld_SFX(G + at(i, i, n) * gs);
     for (long k = 0; k < n; ++k) {
         vd z[NMAX], acc = zero;
-        for (long i = k; i < n; ++i) {
-            vd zi = zero + (T ? T[i * n + k] : (double)(i == k));
-            for (long j = k; j < i; ++j) zi -= ld_SFX(G + at(i, j, n) * gs) * z[j];
-            zi *= inv[i];
-            z[i] = zi;
-            acc += zi * zi;
+        for (long i = k; i < n; ++i) z[i] = zero + (T ? T[i * n + k] : (double)(i == k));
+        /* Column by column: z[j] is final once the rows above it are subtracted, and the
+           updates of the rows below it are independent of one another, where a row at a
+           time is one chain of dependent subtractions (latency-bound). Each z[i] gets the
+           same subtractions in the same order either way. */
+        for (long j = k; j < n; ++j) {
+            vd zj = z[j] * inv[j];
+            acc += zj * zj;
+            for (long i = j + 1; i < n; ++i) z[i] -= ld_SFX(G + at(i, j, n) * gs) * zj;
         }
         st_SFX(var + k * vs, acc);
     }
@@ -725,7 +738,7 @@ def _build(cc: list[str], where: Path) -> Path:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     L, D, V = ctypes.c_long, ctypes.c_double, ctypes.c_void_p
-    lib.gs_cholesky.argtypes = [L, L, L, V, V, D, L, L]
+    lib.gs_cholesky.argtypes = [L, L, L, V, V, D, V, V, L, L]
     lib.gs_cholesky.restype = ctypes.c_int
     lib.gs_solve.argtypes = [L, L, L, V, V, L, L]
     lib.gs_solve.restype = None
@@ -839,16 +852,33 @@ def _run(fn: Callable[..., object], args: tuple[object, ...], p: int) -> None:
         raise MemoryError("the solve kernel could not allocate its scratch")
 
 
-def cholesky(G: torch.Tensor, n: int, tol: float, square: bool = False) -> torch.Tensor:
+def cholesky(
+    G: torch.Tensor,
+    n: int,
+    tol: float,
+    square: bool = False,
+    spread: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``G`` factored in place by the kernel; which pixels factored well.
 
     :func:`linalg.packed_cholesky`, or with ``square`` (G: n × n × P)
-    :func:`linalg.batched_cholesky`.
+    :func:`linalg.batched_cholesky`. ``spread``: ``(T, var)``, and ``var``
+    (n, P) is filled as by :func:`spread` (packed, n ≤ :data:`MAX_ORDER`),
+    in the same pass over the factor.
     """
     lib = _loaded()
     p = G.shape[-1]
     ok = torch.empty(p, dtype=torch.bool)
-    _run(lib.gs_cholesky, (n, int(square), p, G.data_ptr(), ok.data_ptr(), tol), p)
+    tp = vp = None
+    if spread is not None:
+        T, var = spread
+        if square or not 1 <= n <= MAX_ORDER or var.shape != (n, p) or not usable(var):
+            raise ValueError("the fused spread takes a packed factor of at most 16 columns")
+        tp = None if T is None else T.data_ptr()
+        vp = var.data_ptr()
+        if T is not None and not (usable(T) and T.shape == (n, n)):
+            raise ValueError("the fused spread's T must be a contiguous float64 n × n matrix")
+    _run(lib.gs_cholesky, (n, int(square), p, G.data_ptr(), ok.data_ptr(), tol, tp, vp), p)
     return ok
 
 

@@ -393,15 +393,22 @@ def _column_start(j: int, n: int) -> int:
     return j * n - j * (j - 1) // 2
 
 
-def packed_cholesky(G: torch.Tensor, n: int, tol: float = PIVOT_TOL) -> torch.Tensor:
+def packed_cholesky(
+    G: torch.Tensor,
+    n: int,
+    tol: float = PIVOT_TOL,
+    spread: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Factor packed lower triangles ``G`` (n(n+1)/2, P) in place; which pixels factored well.
 
     :func:`batched_cholesky` on the packed layout of :func:`lower_pairs`: half
     the memory passes of the square one, since only the lower triangle is
     updated. Same failure rule (a pivot below ``tol`` times its diagonal entry).
+    ``spread``: ``(T, var)`` for :func:`kernel.cholesky` (compiled kernel only).
     """
     if kernel.usable(G):
-        return kernel.cholesky(G, n, tol)
+        return kernel.cholesky(G, n, tol, spread=spread)
+    assert spread is None, "the fused spread is the compiled kernel's"
     p = G.shape[1]
     starts = [_column_start(j, n) for j in range(n)]
     diag = G[starts].clone()  # (n, P), before factoring
@@ -421,11 +428,13 @@ def packed_cholesky(G: torch.Tensor, n: int, tol: float = PIVOT_TOL) -> torch.Te
 class PackedFactor:
     """A packed Cholesky factor (:func:`packed_cholesky`) ready for solves: columns and rows."""
 
-    def __init__(self, L: torch.Tensor, n: int) -> None:
+    def __init__(self, L: torch.Tensor, n: int, var: torch.Tensor | None = None) -> None:
         self.n = n
         self.cols = L
         self.starts = [_column_start(j, n) for j in range(n)]
         self.compiled = kernel.usable(L)
+        #: diag(ZᵀZ) of Z = L⁻¹T, when the factorisation computed it (:func:`_primal`)
+        self.var = var
 
     @functools.cached_property
     def rows(self) -> torch.Tensor:
@@ -551,8 +560,9 @@ def _primal_setup(A: torch.Tensor, lam: float) -> _Setup:
 
 
 def _primal(
-    A: torch.Tensor, B0: torch.Tensor, Wp: torch.Tensor, lam: float, unit: bool
+    A: torch.Tensor, B0: torch.Tensor, Wp: torch.Tensor, lam: float, unit: bool, var: bool
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[PackedFactor, torch.Tensor | None]]:
+    """``var``: the variances alone will be asked of the spread (not the covariance)."""
     coef = A.shape[1]
     setup = _primal_setup(A, lam)
     basis, pairs, Rinv, lam_mat = setup.basis, setup.pairs, setup.Rinv, setup.lam_mat
@@ -562,8 +572,15 @@ def _primal(
     if lam_mat is not None:
         r, c = lower_pairs(coef)
         G += lam_mat[r.to(A.device), c.to(A.device)][:, None]
-    ok = packed_cholesky(G, coef)
-    L = PackedFactor(G, coef)
+    # (AᵀWA + λI)⁻¹ = R⁻¹ G⁻¹ R⁻ᵀ: the spread needs R⁻ᵀ (lower triangular)
+    T = Rinv.T.contiguous() if Rinv is not None else None
+    fused = None
+    if var and not lam and coef <= kernel.MAX_ORDER and kernel.usable(G):
+        # the variances in the factorisation's pass, while each block's factor is in cache
+        # (the masked benchmark: 11 ms a 250,000-pixel solve as a pass of its own)
+        fused = (T, torch.empty((coef, G.shape[1]), dtype=G.dtype))
+    ok = packed_cholesky(G, coef, spread=fused)
+    L = PackedFactor(G, coef, None if fused is None else fused[1])
     # unit: Wp is 0/1 and B0 is 0 where Wp is, so W·B0 = B0 (one pass fewer)
     x = L.solve_(colmm(basis.T, B0 if unit else Wp * B0))
     conv = None
@@ -581,8 +598,7 @@ def _primal(
     conv = ok if conv is None else conv
     if Rinv is not None:
         x = colmm(Rinv, x)
-    # (AᵀWA + λI)⁻¹ = R⁻¹ G⁻¹ R⁻ᵀ: the spread needs R⁻ᵀ (lower triangular)
-    return x, conv, (L, Rinv.T.contiguous() if Rinv is not None else None)
+    return x, conv, (L, T)
 
 
 def _dual(
@@ -845,6 +861,8 @@ def _primal_spread(L: PackedFactor, T: torch.Tensor | None, lam: float, full: bo
     """The spread ``Z = L⁻¹T``, ``T`` lower triangular (None: the identity)."""
     coef, p = L.n, L.cols.shape[1]
     dev = L.cols.device
+    if L.var is not None and not (lam or full):
+        return _spread_of(L.var, None, lam, full, coef, p, dev)
     if L.compiled:
         var, Zk = kernel.spread(L.cols, coef, T, bool(lam) or full)
         return _spread_of(var, Zk, lam, full, coef, p, dev)
@@ -971,7 +989,7 @@ def _solve_per_pixel(
     elif use_dual:
         x, good, (Ld, S) = _dual(A, B0, Wp, lam)
     else:
-        x, good, (Lp, T) = _primal(A, B0, Wp, lam, unit)
+        x, good, (Lp, T) = _primal(A, B0, Wp, lam, unit, full is False)
     spread = None
     if full is not None:
         if use_dual:

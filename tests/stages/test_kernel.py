@@ -46,6 +46,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         def counted(*args: object, _fn: object = fn, _name: str = name, **kw: object) -> object:
             if kernel._library() is not None:  # called with the library there: it ran
                 seen[_name] = seen.get(_name, 0) + 1
+                if kw.get("spread") is not None:  # the factorisation with the variances
+                    seen[_name + "+spread"] = seen.get(_name + "+spread", 0) + 1
             return _fn(*args, **kw)  # type: ignore[operator]
 
         monkeypatch.setattr(kernel, name, counted)
@@ -117,6 +119,45 @@ def test_factor_solve_and_spread_agree_with_eager(n: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("n", [1, 3, 10, 16])
+def test_variances_fused_into_the_factorisation_equal_the_separate_pass(n: int) -> None:
+    p = 333  # not a multiple of the kernel's 64-pixel blocks
+    G, _, T = _systems(n, p, seed=40 + n)
+    Gc = G.clone()
+    ok = kernel.cholesky(Gc, n, linalg.PIVOT_TOL)
+    with_t = torch.empty(0)
+    for t in (T, None):
+        var, _ = kernel.spread(Gc, n, t, False)
+        Gf, fused = G.clone(), torch.empty((n, p), dtype=torch.float64)
+        assert torch.equal(kernel.cholesky(Gf, n, linalg.PIVOT_TOL, spread=(t, fused)), ok)
+        assert torch.equal(Gf.isnan(), Gc.isnan())
+        assert torch.equal(torch.nan_to_num(Gf), torch.nan_to_num(Gc))
+        assert torch.equal(fused.isnan(), var.isnan())
+        assert torch.equal(torch.nan_to_num(fused), torch.nan_to_num(var))
+        with_t = fused if t is not None else with_t
+    # and against numpy where the pixel factored: diag((TᵀG⁻¹T)) with Z = L⁻¹T
+    r, c = linalg.lower_pairs(n)
+    for px in torch.nonzero(ok).flatten().tolist()[:20]:
+        M = np.zeros((n, n))
+        M[r.numpy(), c.numpy()] = G[:, px].numpy()
+        M = M + np.tril(M, -1).T
+        want = np.diag(T.numpy().T @ np.linalg.solve(M, T.numpy()))
+        np.testing.assert_allclose(with_t[:, px].numpy(), want, rtol=1e-9)
+
+
+@needs_kernel
+def test_fused_variances_refuse_what_they_cannot_take() -> None:
+    G, _, T = _systems(17, 70, seed=3)
+    with pytest.raises(ValueError, match="at most 16 columns"):
+        kernel.cholesky(G, 17, linalg.PIVOT_TOL, spread=(None, torch.empty((17, 70)).double()))
+    G, _, T = _systems(4, 70, seed=3)
+    with pytest.raises(ValueError, match="at most 16 columns"):
+        kernel.cholesky(G, 4, linalg.PIVOT_TOL, spread=(T, torch.empty((4, 69)).double()))
+    with pytest.raises(ValueError, match="T must be"):
+        kernel.cholesky(G, 4, linalg.PIVOT_TOL, spread=(T.T, torch.empty((4, 70)).double()))
+
+
+@needs_kernel
 def test_solve_matches_numpy() -> None:
     n, p = 6, 130
     G, h, _ = _systems(n, p, seed=1)
@@ -151,8 +192,10 @@ def test_threads_split_pixels_without_changing_a_bit() -> None:
             x = kernel.solve_(Gc, n, h.clone())
             var, Z = kernel.spread(Gc, n, T, True)
             var_only, _ = kernel.spread(Gc, n, T, False)
+            fused = torch.empty((n, p), dtype=torch.float64)
+            kernel.cholesky(G.clone(), n, linalg.PIVOT_TOL, spread=(T, fused))
             assert Z is not None
-            results.append([ok, Gc, x, var, Z, var_only, *kernel.moments(A, B0, W, x0)])
+            results.append([ok, Gc, x, var, Z, var_only, fused, *kernel.moments(A, B0, W, x0)])
     finally:
         torch.set_num_threads(before)
     for other in results[1:]:
@@ -259,7 +302,7 @@ def test_solve_stage_agrees_with_the_eager_path_and_lstsq(
     config = LstsqSolve(policy="minnorm", dtype="float64", uncertainty=uncertainty)
     compiled = _run(A, B, config)
     ran = {"cholesky", "solve_", "moments", "load"}
-    ran |= {"spread", "statistics"} if uncertainty == "stderr" else set()
+    ran |= {"cholesky+spread", "statistics"} if uncertainty == "stderr" else set()
     ran |= {"spread"} if uncertainty == "cov" else set()
     assert ran <= set(calls), calls  # the compiled path did run
     calls.clear()
