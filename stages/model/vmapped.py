@@ -43,7 +43,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from gridsolve.schemas.artifacts import Tile
-from gridsolve.schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS
+from gridsolve.schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS, flag_counts
 from gridsolve.schemas.errors import ConfigError, ContractError, InputError
 from gridsolve.schemas.kinds.model import ModelConfig, ModuleModel, MultidimLinearModel
 from gridsolve.stages.engine.agreement import disagreements
@@ -1016,10 +1016,7 @@ def _tile_outputs(run: _TileRun) -> tuple[dict[str, np.ndarray], np.ndarray]:
 def _tile_result(px: _Pixels, out: dict[str, np.ndarray], tile: Tile, kernel: str) -> StageOutput:
     """The tile's arrays in (…, y, x) layout, with its pixel and status counts."""
     n_px = px.X.shape[1]
-    counts = {
-        MODEL_STATUS_FLAGS[int(k)]: int(v)
-        for k, v in zip(*np.unique(px.status, return_counts=True), strict=True)
-    }
+    counts = flag_counts(px.status, MODEL_STATUS_FLAGS)
     ny, nx = tile.shape
     arrays = {k: v.reshape(*v.shape[:-1], ny, nx) for k, v in out.items()}
     arrays["model_status"] = px.status.reshape(ny, nx)

@@ -22,8 +22,9 @@ What they do (each replaces an eager function of :mod:`~gridsolve.stages.solve.l
   gap-wise dual's gather-solve-scatter.
 
 The refinement's residuals stay torch's: they are matrix products, which MKL does
-faster than a compiled per-pixel loop (measured on this project's machine: 1.8 ms
-against 2.6 ms per batch of 16,384 pixels).
+with fused multiply-adds; a compiled per-pixel loop without them is compute-bound
+and no faster (measured on this project's machine: 1.2-1.4 ms against 1.1 ms per
+batch of 16,384 pixels).
 
 The eager functions stay the reference and the fallback (no C compiler, a device
 other than the CPU, or ``GRIDSOLVE_SOLVE_KERNEL=eager``). Both are free of fused
@@ -443,8 +444,16 @@ AIT vd ld_SFX(const double *p) { vd v; memcpy(&v, p, sizeof v); return v; }
 AIT void st_SFX(double *p, vd v) { memcpy(p, &v, sizeof v); }
 AIT vd sel_SFX(vi c, vd a, vd b) { return (vd)(((vi)a & c) | ((vi)b & ~c)); }
 
+/* Rows are bs apart, each read VL pixels at a time: dozens of streams at once, more
+   than the hardware prefetcher follows, so each row's next lines are fetched ahead. */
+#define PF_SFX(p) __builtin_prefetch((p) + PF_AHEAD * VL)
+#ifndef PF_AHEAD
+#define PF_AHEAD 4
+#endif
+
 /* r = B0 - A x for R rows from t, into r[] */
 #define RES_SFX(R)                                                                          \
+    for (int u = 0; u < R; ++u) PF_SFX(B0 + (t + u) * bs), PF_SFX(W + (t + u) * bs);        \
     for (int u = 0; u < R; ++u) r[u] = ld_SFX(B0 + (t + u) * bs);                           \
     for (long k = 0; k < n; ++k)                                                            \
         for (int u = 0; u < R; ++u) r[u] -= A[(t + u) * n + k] * xr[k];
@@ -634,6 +643,7 @@ int gs_moments(long n, long m, long P, const double *A, const double *B0, const 
         return moments_all_avx2(n, m, P, A, B0, W, x, full, ss, wss, tss, uss, p0, p1);
     return moments_all_sse2(n, m, P, A, B0, W, x, full, ss, wss, tss, uss, p0, p1);
 }
+
 """
 
 #: The whole C source: SOURCE's kernels, then the vector ones per instruction set.
@@ -1054,12 +1064,12 @@ def load(src: np.ndarray, finite: bool = False) -> tuple[torch.Tensor, torch.Ten
 
 def moments(
     A: torch.Tensor, B0: torch.Tensor, W: torch.Tensor, x: torch.Tensor, full: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Per pixel, sums in row order of ``r = B0 − A x`` with weights ``W`` (> 0: valid rows).
 
-    ``Σ r²`` over the valid rows and, with ``full`` (else zeros), ``Σ W r²``,
-    ``Σ W (b − b̄)²`` about the weighted mean ``b̄``, and ``Σ W b²``. ``A`` has at most
-    :data:`MAX_ORDER` columns.
+    Rows of the (4, P) result: ``Σ r²`` over the valid rows and, with ``full``
+    (else zeros), ``Σ W r²``, ``Σ W (b − b̄)²`` about the weighted mean ``b̄``, and
+    ``Σ W b²``. ``A`` has at most :data:`MAX_ORDER` columns.
     """
     lib = _loaded()
     m, n = A.shape
@@ -1072,4 +1082,4 @@ def moments(
         (n, m, p, Ac.data_ptr(), B0.data_ptr(), W.data_ptr(), x.data_ptr(), int(full), *ptrs),
         p,
     )
-    return out[0], out[1], out[2], out[3]
+    return out

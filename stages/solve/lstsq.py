@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from gridsolve.schemas.artifacts import Tile
-from gridsolve.schemas.contracts import STATUS_FLAGS, ArraySpec
+from gridsolve.schemas.contracts import STATUS_FLAGS, ArraySpec, flag_counts
 from gridsolve.schemas.errors import ContractError, NumericalError
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.engine.blocks import read_block
@@ -1114,10 +1114,7 @@ def _batch_moments(
 
 def _gappy_output(blk: _Block, g: _Gappy) -> StageOutput:
     """The arrays of a block with gaps (and their statistics), with counts, paths and timings."""
-    counts_by_status = {
-        STATUS_FLAGS[int(k)]: int(v)
-        for k, v in zip(*np.unique(blk.status, return_counts=True), strict=True)
-    }
+    counts_by_status = flag_counts(blk.status, STATUS_FLAGS)
     arrays = {
         "coefficients": g.C,
         "residual_rms": g.rms,
