@@ -111,7 +111,8 @@ MODEL_STATUS_CODES: dict[str, int] = {v: k for k, v in MODEL_STATUS_FLAGS.items(
 def flag_counts(status: np.ndarray, flags: dict[int, str]) -> dict[str, int]:
     """How many pixels carry each flag that occurs in ``status`` (int8 codes), by code.
 
-    The codes in use are non-negative, so the counts come in code order."""
+    The codes in use are non-negative, so the counts come in code order.
+    """
     # bincount, not np.unique: no sort of the pixels (1.4 → 0.2 ms for 250,000)
     counts = np.bincount(np.ascontiguousarray(status, np.int8).ravel().view(np.uint8))
     return {flags[k if k < 128 else k - 256]: int(c) for k, c in enumerate(counts) if c}

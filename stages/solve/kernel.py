@@ -474,6 +474,20 @@ AIT vd sel_SFX(vi c, vd a, vd b) { return (vd)(((vi)a & c) | ((vi)b & ~c)); }
         }                                                                                   \
     }
 
+/* MOM without W r^2 and W b^2 (full == 2) */
+#define MEAN_SFX(R)                                                                         \
+    {                                                                                       \
+        vd r[R];                                                                            \
+        RES_SFX(R)                                                                          \
+        for (int u = 0; u < R; ++u) {                                                       \
+            vd b = ld_SFX(B0 + (t + u) * bs), w = ld_SFX(W + (t + u) * bs);                 \
+            vi v = w > 0.0;                                                                 \
+            ss += sel_SFX(v, r[u] * r[u], zero);                                            \
+            sw += w;                                                                        \
+            swb += sel_SFX(v, w * b, zero);                                                 \
+        }                                                                                   \
+    }
+
 #define SS_SFX(R)                                                                           \
     {                                                                                       \
         vd r[R];                                                                            \
@@ -486,7 +500,8 @@ AIT vd sel_SFX(vi c, vd a, vd b) { return (vd)(((vi)a & c) | ((vi)b & ~c)); }
 
 /* Sums over the rows of VL pixels with weights W (W > 0: valid), r = B0 - A x:
    out[0] of r^2 where valid and, with full, out[1] of W r^2, out[2] of W (b - mean)^2
-   about the weighted mean, out[3] of W b^2. */
+   about the weighted mean, out[3] of W b^2; with full == 2, out[2] only of these
+   (out[1] and out[3] are 0). */
 AIT void moments_SFX(const long n, long m, const double *A, const double *B0, const double *W,
                      long bs, const double *x, long xs, long full, vd out[4])
 {
@@ -501,8 +516,13 @@ AIT void moments_SFX(const long n, long m, const double *A, const double *B0, co
         out[0] = ss, out[1] = out[2] = out[3] = zero;
         return;
     }
-    for (; t + 4 <= m; t += 4) MOM_SFX(4)
-    for (; t < m; ++t) MOM_SFX(1)
+    if (full == 2) {
+        for (; t + 4 <= m; t += 4) MEAN_SFX(4)
+        for (; t < m; ++t) MEAN_SFX(1)
+    } else {
+        for (; t + 4 <= m; t += 4) MOM_SFX(4)
+        for (; t < m; ++t) MOM_SFX(1)
+    }
     vd mean = swb / sw;
     for (t = 0; t < m; ++t) {
         vd w = ld_SFX(W + t * bs), d = ld_SFX(B0 + t * bs) - mean;
@@ -512,28 +532,32 @@ AIT void moments_SFX(const long n, long m, const double *A, const double *B0, co
 }
 
 /* diag(Z^T Z) of Z = L^-1 T for VL pixels (L packed, rows gs apart; T lower triangular,
-   row-major, or NULL for the identity): column k of Z is the forward substitution of
-   column k of T, which is zero above row k, so it starts at row k. */
+   row-major, or NULL for the identity): forward substitution of T's columns. Column k
+   of Z is zero above row k. All columns advance together, row j of each at step j:
+   their updates are independent, where a column at a time is a chain of dependent
+   operations (latency-bound); each entry gets the same operations in the same order. */
 AIT void spread_SFX(const long n, const double *G, long gs, const double *T, double *var,
                     long vs)
 {
-    vd inv[NMAX];
+    vd inv[NMAX], acc[NMAX], z[NMAX][NMAX]; /* z[i][k], k <= i */
     const vd zero = {0}, one = zero + 1.0;
-    for (long i = 0; i < n; ++i) inv[i] = one / ld_SFX(G + at(i, i, n) * gs);
-    for (long k = 0; k < n; ++k) {
-        vd z[NMAX], acc = zero;
-        for (long i = k; i < n; ++i) z[i] = zero + (T ? T[i * n + k] : (double)(i == k));
-        /* Column by column: z[j] is final once the rows above it are subtracted, and the
-           updates of the rows below it are independent of one another, where a row at a
-           time is one chain of dependent subtractions (latency-bound). Each z[i] gets the
-           same subtractions in the same order either way. */
-        for (long j = k; j < n; ++j) {
-            vd zj = z[j] * inv[j];
-            acc += zj * zj;
-            for (long i = j + 1; i < n; ++i) z[i] -= ld_SFX(G + at(i, j, n) * gs) * zj;
-        }
-        st_SFX(var + k * vs, acc);
+    for (long i = 0; i < n; ++i) {
+        inv[i] = one / ld_SFX(G + at(i, i, n) * gs);
+        acc[i] = zero;
+        for (long k = 0; k <= i; ++k) z[i][k] = zero + (T ? T[i * n + k] : (double)(i == k));
     }
+    for (long j = 0; j < n; ++j) {
+        for (long k = 0; k <= j; ++k) {
+            vd zj = z[j][k] * inv[j];
+            acc[k] += zj * zj;
+            z[j][k] = zj;
+        }
+        for (long i = j + 1; i < n; ++i) {
+            vd l = ld_SFX(G + at(i, j, n) * gs);
+            for (long k = 0; k <= j; ++k) z[i][k] -= l * z[j][k];
+        }
+    }
+    for (long k = 0; k < n; ++k) st_SFX(var + k * vs, acc[k]);
 }
 
 static TGT int spread_all_SFX(long n, long P, const double *G, const double *T, double *var,
@@ -628,7 +652,8 @@ int gs_spread_var(long n, long P, const double *G, const double *T, double *var,
 }
 
 /* Per pixel of [p0, p1), with r = B0 - A x (A: m x n row-major, n <= 16) and weights W
-   (W > 0: valid rows): ss = sum of r^2 over valid rows and, with full, wss of W r^2,
+   (W > 0: valid rows): ss = sum of r^2 over valid rows and, with full (2: tss only, the
+   others 0), wss of W r^2,
    tss of W (b - mean)^2 about the weighted mean, uss of W b^2 (else 0), each summed
    in row order. Returns -1 when n > 16 or out of memory. */
 int gs_moments(long n, long m, long P, const double *A, const double *B0, const double *W,
@@ -1063,13 +1088,19 @@ def load(src: np.ndarray, finite: bool = False) -> tuple[torch.Tensor, torch.Ten
 
 
 def moments(
-    A: torch.Tensor, B0: torch.Tensor, W: torch.Tensor, x: torch.Tensor, full: bool = True
+    A: torch.Tensor,
+    B0: torch.Tensor,
+    W: torch.Tensor,
+    x: torch.Tensor,
+    full: bool = True,
+    centred_only: bool = False,
 ) -> torch.Tensor:
     """Per pixel, sums in row order of ``r = B0 − A x`` with weights ``W`` (> 0: valid rows).
 
     Rows of the (4, P) result: ``Σ r²`` over the valid rows and, with ``full``
     (else zeros), ``Σ W r²``, ``Σ W (b − b̄)²`` about the weighted mean ``b̄``, and
-    ``Σ W b²``. ``A`` has at most :data:`MAX_ORDER` columns.
+    ``Σ W b²``; with ``centred_only`` too, the second and fourth are zeros (not
+    computed). ``A`` has at most :data:`MAX_ORDER` columns.
     """
     lib = _loaded()
     m, n = A.shape
@@ -1077,9 +1108,10 @@ def moments(
     Ac = A.contiguous()
     out = torch.empty((4, p), dtype=torch.float64)
     ptrs = [out[i].data_ptr() for i in range(4)]
+    how = 0 if not full else 2 if centred_only else 1
     _run(
         lib.gs_moments,
-        (n, m, p, Ac.data_ptr(), B0.data_ptr(), W.data_ptr(), x.data_ptr(), int(full), *ptrs),
+        (n, m, p, Ac.data_ptr(), B0.data_ptr(), W.data_ptr(), x.data_ptr(), how, *ptrs),
         p,
     )
     return out

@@ -300,20 +300,22 @@ def residual_moments(
     x: torch.Tensor,
     n: torch.Tensor,
     full: bool = True,
+    centred_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Per column, RMS of the residuals and the data; None where the kernel cannot run.
 
     Over each column's ``n`` valid rows (``W`` > 0): of ``r = B0 − A x``, of ``√W·r``,
     of ``√W·(b − b̄)`` about the weighted mean, and of ``√W·b`` (these three only with
-    ``full``, else zeros). The compiled kernel reads each pixel's data once; columns
-    whose sums overflowed or may have lost squares to underflow are redone as
-    :func:`column_rms` does.
+    ``full``, else zeros; with ``centred_only``, the second and fourth are zeros). The
+    compiled kernel reads each pixel's data once; columns whose sums overflowed or may
+    have lost squares to underflow are redone as :func:`column_rms` does.
     """
     if not 1 <= A.shape[1] <= kernel.MAX_ORDER or not kernel.usable(A, B0, W, x):
         return None
-    sums = kernel.moments(A, B0, W, x, full)
+    sums = kernel.moments(A, B0, W, x, full, centred_only)
     fi = torch.finfo(sums.dtype)
-    checked = sums if full else sums[:1]  # without full, the other rows are zeros
+    # the rows asked for (the others are zeros)
+    checked = sums[:1] if not full else sums[0::2] if centred_only else sums
     redo = ~((checked >= 4 * B0.shape[0] * fi.tiny / fi.eps) & (checked <= fi.max)).all(0)
     checked.div_(n).sqrt_()
     ss, wss, tss, uss = sums.unbind(0)
@@ -325,8 +327,9 @@ def residual_moments(
         ss[c] = column_rms(R, nc)
         if full:
             mean = (Wc * Bc).sum(0) / Wc.sum(0)
-            wss[c] = column_rms(R * SW, nc)
-            tss[c], uss[c] = column_rms((Bc - mean).mul_(SW), nc), column_rms(Bc * SW, nc)
+            tss[c] = column_rms((Bc - mean).mul_(SW), nc)
+        if full and not centred_only:
+            wss[c], uss[c] = column_rms(R * SW, nc), column_rms(Bc * SW, nc)
     return ss, wss, tss, uss
 
 

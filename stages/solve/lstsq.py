@@ -1029,7 +1029,11 @@ def _solve_batch(
         )
     n_v = torch.from_numpy(g.n_valid[sel].astype(np.float64)).to(device)
     # compiled: the residual RMS and the moments in one read of the batch's data
-    fused = linalg.residual_moments(At, B0, Wp, x, n_v, full=mom is not None)
+    # unit weights: the weighted RMS is the plain one; a design spanning the constant:
+    # R² is centred, so the uncentred sum is not needed either
+    fused = linalg.residual_moments(
+        At, B0, Wp, x, n_v, full=mom is not None, centred_only=unit and blk.op.spans_const
+    )
     if fused is None:
         R = linalg.colmm_sub(B0, At, x).mul_(valid_rows()[1])
         r_t = linalg.column_rms(R, n_v)

@@ -251,6 +251,12 @@ def test_residual_moments_redo_extreme_columns() -> None:
     np.testing.assert_allclose(got[0].numpy(), want, rtol=1e-13)
     np.testing.assert_allclose(got[3].numpy(), want, rtol=1e-13)
     assert np.isfinite(float(got[0][4])) and float(got[0][9]) > 0
+    # centred only: the same residual and centred sums, redone alike; no other sums
+    args = map(torch.from_numpy, (A, B0, W, x, np.full(p, float(m))))
+    centred = linalg.residual_moments(*args, centred_only=True)
+    assert centred is not None
+    assert torch.equal(centred[0], got[0]) and torch.equal(centred[2], got[2])
+    assert not centred[1].any() and not centred[3].any()
 
 
 def test_orders_beyond_the_kernel_take_the_eager_path() -> None:
@@ -512,6 +518,9 @@ def test_residual_without_moments_equals_the_full_sums() -> None:
     short = kernel.moments(*args, full=False)
     assert torch.equal(full[0], short[0])
     assert all(bool((s == 0).all()) for s in short[1:])
+    centred = kernel.moments(*args, centred_only=True)
+    assert torch.equal(full[0], centred[0]) and torch.equal(full[2], centred[2])
+    assert not centred[1].any() and not centred[3].any()
 
 
 @needs_kernel
@@ -563,7 +572,8 @@ def test_every_vector_version_gives_the_same_bits() -> None:
         for isa in range(1, best + 1):
             assert kernel.use_isa(isa) == isa
             var, _ = kernel.spread(G, n, T, False)
-            results[isa] = [var, *kernel.moments(A, B0, W, x)]
+            centred = kernel.moments(A, B0, W, x, centred_only=True)
+            results[isa] = [var, *kernel.moments(A, B0, W, x), *centred]
     finally:
         kernel.use_isa(3)
     assert len(results) == best >= 2  # SSE2 and AVX2, and AVX-512 where the CPU has it
