@@ -8,9 +8,10 @@ What they do (each replaces an eager function of :mod:`~gridsolve.stages.solve.l
   :func:`linalg._primal_spread`). In torch these are a loop over the matrix order of
   elementwise operations on (·, pixels) arrays: hundreds of operations per batch, each
   a pass through memory. Here the pixels are the innermost loop, 64 at a time, so a
-  block's factors stay in the L1 cache. When only the variances are wanted,
-  ``gs_cholesky`` computes them block by block as it factors (``spread=``), instead
-  of a second read of every factor.
+  block's factors stay in the L1 cache. ``gs_cholesky`` also solves the first
+  right-hand side (``rhs=``) and, when only the variances are wanted, computes
+  them (``spread=``) block by block as it factors, instead of further reads of
+  every factor.
 * ``gs_moments``: the residual RMS of every pixel and the moments of the uncertainty
   option (weighted residual RMS, RMS about the weighted mean, uncentred RMS), in one
   read of the batch's data instead of a product, a mask and a pairwise sum each
@@ -109,16 +110,43 @@ static inline long at(long r, long j, long n) { return j * n - j * (j - 1) / 2 +
 /* Entry (r, j), r >= j, of a factor: packed (sq 0) or square n x n row-major (sq 1). */
 static inline long ix(long r, long j, long n, long sq) { return sq ? r * n + j : at(r, j, n); }
 
+/* Solve L Lt x = h in place for the w pixels from b0: h's rows are hs apart. */
+static inline void solve_block(long n, long sq, long P, const double *G, long b0, long w,
+                               double *h, long hs)
+{
+    for (long i = 0; i < n; ++i) {
+        double *restrict hi = h + i * hs;
+        const double *restrict lii = G + ix(i, i, n, sq) * P + b0;
+        for (long p = 0; p < w; ++p) hi[p] /= lii[p];
+        for (long r = i + 1; r < n; ++r) {
+            double *restrict hr = h + r * hs;
+            const double *restrict l = G + ix(r, i, n, sq) * P + b0;
+            for (long p = 0; p < w; ++p) hr[p] -= l[p] * hi[p];
+        }
+    }
+    for (long i = n - 1; i >= 0; --i) {
+        double *restrict hi = h + i * hs;
+        const double *restrict lii = G + ix(i, i, n, sq) * P + b0;
+        for (long p = 0; p < w; ++p) hi[p] /= lii[p];
+        for (long k = 0; k < i; ++k) {
+            double *restrict hk = h + k * hs;
+            const double *restrict l = G + ix(i, k, n, sq) * P + b0;
+            for (long p = 0; p < w; ++p) hk[p] -= l[p] * hi[p];
+        }
+    }
+}
+
 /* Cholesky in place, pixels [p0, p1) of G: packed (n(n+1)/2, P), linalg.packed_cholesky,
    or square (n, n, P) with sq, linalg.batched_cholesky (its lower triangle becomes the
    factor; the upper is left alone). ok[p] = 1 where every pivot exceeds tol times its
    diagonal entry (and the smallest normal double). With var (packed only, n <= 16), each
-   block's gs_spread_var too, while its factor is in cache. Returns -1 when out of memory. */
+   block's gs_spread_var too, and with h (n, P), each block's solve_block, while its
+   factor is in cache. Returns -1 when out of memory. */
 int gs_spread_var(long n, long P, const double *G, const double *T, double *var, long p0,
                   long p1);
 
 GS_API int gs_cholesky(long n, long sq, long P, double *G, unsigned char *ok, double tol,
-                       const double *T, double *var, long p0, long p1)
+                       const double *T, double *var, double *h, long p0, long p1)
 {
     double *diag = malloc(sizeof(double) * (size_t)(n * BW + 1));
     if (!diag) return -1;
@@ -154,6 +182,7 @@ GS_API int gs_cholesky(long n, long sq, long P, double *G, unsigned char *ok, do
                 }
             }
         }
+        if (h) solve_block(n, sq, P, G, b0, w, h + b0, P);
         if (var && !sq && gs_spread_var(n, P, G, T, var, b0, b0 + w)) {
             free(diag);
             return -1;
@@ -161,32 +190,6 @@ GS_API int gs_cholesky(long n, long sq, long P, double *G, unsigned char *ok, do
     }
     free(diag);
     return 0;
-}
-
-/* Solve L Lt x = h in place for the w pixels from b0: h's rows are hs apart. */
-static inline void solve_block(long n, long sq, long P, const double *G, long b0, long w,
-                               double *h, long hs)
-{
-    for (long i = 0; i < n; ++i) {
-        double *restrict hi = h + i * hs;
-        const double *restrict lii = G + ix(i, i, n, sq) * P + b0;
-        for (long p = 0; p < w; ++p) hi[p] /= lii[p];
-        for (long r = i + 1; r < n; ++r) {
-            double *restrict hr = h + r * hs;
-            const double *restrict l = G + ix(r, i, n, sq) * P + b0;
-            for (long p = 0; p < w; ++p) hr[p] -= l[p] * hi[p];
-        }
-    }
-    for (long i = n - 1; i >= 0; --i) {
-        double *restrict hi = h + i * hs;
-        const double *restrict lii = G + ix(i, i, n, sq) * P + b0;
-        for (long p = 0; p < w; ++p) hi[p] /= lii[p];
-        for (long k = 0; k < i; ++k) {
-            double *restrict hk = h + k * hs;
-            const double *restrict l = G + ix(i, k, n, sq) * P + b0;
-            for (long p = 0; p < w; ++p) hk[p] -= l[p] * hi[p];
-        }
-    }
 }
 
 /* Solve L Lt x = h in place, pixels [p0, p1) of h (n, P), L packed or square (sq):
@@ -773,7 +776,7 @@ def _build(cc: list[str], where: Path) -> Path:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     L, D, V = ctypes.c_long, ctypes.c_double, ctypes.c_void_p
-    lib.gs_cholesky.argtypes = [L, L, L, V, V, D, V, V, L, L]
+    lib.gs_cholesky.argtypes = [L, L, L, V, V, D, V, V, V, L, L]
     lib.gs_cholesky.restype = ctypes.c_int
     lib.gs_solve.argtypes = [L, L, L, V, V, L, L]
     lib.gs_solve.restype = None
@@ -893,17 +896,22 @@ def cholesky(
     tol: float,
     square: bool = False,
     spread: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+    rhs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``G`` factored in place by the kernel; which pixels factored well.
 
     :func:`linalg.packed_cholesky`, or with ``square`` (G: n × n × P)
-    :func:`linalg.batched_cholesky`. ``spread``: ``(T, var)``, and ``var``
-    (n, P) is filled as by :func:`spread` (packed, n ≤ :data:`MAX_ORDER`),
-    in the same pass over the factor.
+    :func:`linalg.batched_cholesky`. In the same pass over the factor:
+    ``spread``: ``(T, var)``, and ``var`` (n, P) is filled as by :func:`spread`
+    (packed, n ≤ :data:`MAX_ORDER`); ``rhs`` (n, P) is solved in place as by
+    :func:`solve_`.
     """
     lib = _loaded()
     p = G.shape[-1]
     ok = torch.empty(p, dtype=torch.bool)
+    if rhs is not None and not (rhs.shape == (n, p) and usable(rhs)):
+        raise ValueError("the fused solve's right-hand side must be contiguous float64 (n, P)")
+    hp = None if rhs is None else rhs.data_ptr()
     tp = vp = None
     if spread is not None:
         T, var = spread
@@ -913,7 +921,7 @@ def cholesky(
         vp = var.data_ptr()
         if T is not None and not (usable(T) and T.shape == (n, n)):
             raise ValueError("the fused spread's T must be a contiguous float64 n × n matrix")
-    _run(lib.gs_cholesky, (n, int(square), p, G.data_ptr(), ok.data_ptr(), tol, tp, vp), p)
+    _run(lib.gs_cholesky, (n, int(square), p, G.data_ptr(), ok.data_ptr(), tol, tp, vp, hp), p)
     return ok
 
 

@@ -404,17 +404,18 @@ def packed_cholesky(
     n: int,
     tol: float = PIVOT_TOL,
     spread: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+    rhs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Factor packed lower triangles ``G`` (n(n+1)/2, P) in place; which pixels factored well.
 
     :func:`batched_cholesky` on the packed layout of :func:`lower_pairs`: half
     the memory passes of the square one, since only the lower triangle is
     updated. Same failure rule (a pivot below ``tol`` times its diagonal entry).
-    ``spread``: ``(T, var)`` for :func:`kernel.cholesky` (compiled kernel only).
+    ``spread``, ``rhs``: for :func:`kernel.cholesky` (compiled kernel only).
     """
     if kernel.usable(G):
-        return kernel.cholesky(G, n, tol, spread=spread)
-    assert spread is None, "the fused spread is the compiled kernel's"
+        return kernel.cholesky(G, n, tol, spread=spread, rhs=rhs)
+    assert spread is None and rhs is None, "the fused passes are the compiled kernel's"
     p = G.shape[1]
     starts = [_column_start(j, n) for j in range(n)]
     diag = G[starts].clone()  # (n, P), before factoring
@@ -585,10 +586,14 @@ def _primal(
         # the variances in the factorisation's pass, while each block's factor is in cache
         # (the masked benchmark: 11 ms a 250,000-pixel solve as a pass of its own)
         fused = (T, torch.empty((coef, G.shape[1]), dtype=G.dtype))
-    ok = packed_cholesky(G, coef, spread=fused)
-    L = PackedFactor(G, coef, None if fused is None else fused[1])
     # unit: Wp is 0/1 and B0 is 0 where Wp is, so W·B0 = B0 (one pass fewer)
-    x = L.solve_(colmm(basis.T, B0 if unit else Wp * B0))
+    x = colmm(basis.T, B0 if unit else Wp * B0)
+    # compiled: solved in the factorisation's pass too (one read of the factors fewer)
+    solved = kernel.usable(G, x) and x.shape == (coef, G.shape[1])
+    ok = packed_cholesky(G, coef, spread=fused, rhs=x if solved else None)
+    L = PackedFactor(G, coef, None if fused is None else fused[1])
+    if not solved:
+        x = L.solve_(x)
     conv = None
     # The refinement's residuals stay torch's matrix products: a compiled per-pixel
     # loop without fused multiply-adds is compute-bound and no faster than MKL's

@@ -46,8 +46,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         def counted(*args: object, _fn: object = fn, _name: str = name, **kw: object) -> object:
             if kernel._library() is not None:  # called with the library there: it ran
                 seen[_name] = seen.get(_name, 0) + 1
-                if kw.get("spread") is not None:  # the factorisation with the variances
-                    seen[_name + "+spread"] = seen.get(_name + "+spread", 0) + 1
+                for part in ("spread", "rhs"):  # the factorisation with a fused pass
+                    if kw.get(part) is not None:
+                        seen[f"{_name}+{part}"] = seen.get(f"{_name}+{part}", 0) + 1
             return _fn(*args, **kw)  # type: ignore[operator]
 
         monkeypatch.setattr(kernel, name, counted)
@@ -143,6 +144,23 @@ def test_variances_fused_into_the_factorisation_equal_the_separate_pass(n: int) 
         M = M + np.tril(M, -1).T
         want = np.diag(T.numpy().T @ np.linalg.solve(M, T.numpy()))
         np.testing.assert_allclose(with_t[:, px].numpy(), want, rtol=1e-9)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 3, 10, 17])
+def test_solve_fused_into_the_factorisation_equals_the_separate_one(n: int) -> None:
+    p = 333
+    G, h, T = _systems(n, p, seed=60 + n)
+    Gc = G.clone()
+    ok = kernel.cholesky(Gc, n, linalg.PIVOT_TOL)
+    want = kernel.solve_(Gc, n, h.clone())
+    Gf, got = G.clone(), h.clone()
+    spread = (T, torch.empty((n, p), dtype=torch.float64)) if n <= kernel.MAX_ORDER else None
+    assert torch.equal(kernel.cholesky(Gf, n, linalg.PIVOT_TOL, spread=spread, rhs=got), ok)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    with pytest.raises(ValueError, match="right-hand side"):
+        kernel.cholesky(G.clone(), n, linalg.PIVOT_TOL, rhs=h[:, :-1].clone())
 
 
 @needs_kernel
@@ -307,7 +325,7 @@ def test_solve_stage_agrees_with_the_eager_path_and_lstsq(
     A, B = _masked_cube(3)
     config = LstsqSolve(policy="minnorm", dtype="float64", uncertainty=uncertainty)
     compiled = _run(A, B, config)
-    ran = {"cholesky", "solve_", "moments", "load"}
+    ran = {"cholesky", "cholesky+rhs", "solve_", "moments", "load"}
     ran |= {"cholesky+spread", "statistics"} if uncertainty == "stderr" else set()
     ran |= {"spread"} if uncertainty == "cov" else set()
     assert ran <= set(calls), calls  # the compiled path did run
