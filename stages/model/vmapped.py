@@ -709,12 +709,7 @@ def compiled_kernel(
                 eager(params, buffers, x, t, want)
                 problems = disagreements(_host(got), _host(want))
                 problems += _flag_problems(flags, got)
-                # The same on a pixel with NaN input: its outputs are then (for most models)
-                # not finite, and the compiled flags must say so.
-                x_nan = x.clone()
-                x_nan[..., 0] = float("nan")
-                _pixels_dynamic(x_nan)
-                problems += _flag_problems(fn(params, buffers, x_nan, t, got), got)
+                fn = _nan_checked(fn, (params, buffers, x, t), got, problems, logger)
             except Exception as exc:
                 logger.warning("model: torch.compile failed, running eager: %s", _first_line(exc))
             else:
@@ -727,6 +722,45 @@ def compiled_kernel(
                 else:
                     entry.fn = fn
     return entry.fn
+
+
+def _nan_checked(
+    fn: Kernel,
+    probe: tuple[
+        dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None
+    ],
+    outputs: dict[str, torch.Tensor],
+    problems: list[str],
+    logger: logging.Logger,
+) -> Kernel:
+    """``fn``, its finite flags checked on a probe pixel with NaN input (into ``problems``).
+
+    A NaN input makes most models' outputs not finite, and the flags must say
+    so. Chunks come as views of the stored tile or as contiguous copies, which
+    the compiler serves with a graph each: both are checked. A model that
+    refuses NaN input leaves the flags unchecked: then ``fn``'s flags are
+    dropped and the caller checks the outputs itself (slower, never wrong).
+    """
+    params, buffers, x, t = probe
+    m = int(x.shape[-1])
+    wide = torch.empty((*x.shape[:-1], 2 * m), dtype=x.dtype, device=x.device)[..., :m]
+    try:
+        for x_nan in (wide.copy_(x), x.clone(memory_format=torch.contiguous_format)):
+            x_nan[..., 0] = float("nan")
+            _pixels_dynamic(x_nan)
+            problems += _flag_problems(fn(params, buffers, x_nan, t, outputs), outputs)
+    except Exception as exc:
+        logger.info(
+            "model: the model refuses a NaN input (%s): the compiled kernel's outputs are "
+            "checked for finite values separately",
+            _first_line(exc),
+        )
+
+        def without_flags(*args: Any) -> None:
+            fn(*args)
+
+        return without_flags
+    return fn
 
 
 def _flag_problems(flags: torch.Tensor | None, outputs: Mapping[str, torch.Tensor]) -> list[str]:
@@ -845,8 +879,8 @@ def run_tile(
     run = _plan_run(config, inputs, prepared, tile)
     eager = run.eager
     kernel, compile_key = _pick_kernel(run, config, inputs, prepared, ctx.logger)
-    chunk = _chunk_pixels(config, run, ctx.memory_budget, compiled=kernel is not eager)
-    kernel = _run_chunks(run, kernel, chunk, compile_key, ctx.logger)
+    chunks = {c: _chunk_pixels(config, run, ctx.memory_budget, compiled=c) for c in (False, True)}
+    kernel = _run_chunks(run, kernel, chunks, compile_key, ctx.logger)
     out, finite_out = _tile_outputs(run)
     px = run.px
     if px.bad_target.any():
@@ -956,14 +990,23 @@ def _pick_kernel(
 
 
 def _run_chunks(
-    run: _TileRun, kernel: Kernel, chunk: int, compile_key: str, logger: logging.Logger
+    run: _TileRun,
+    kernel: Kernel,
+    chunks: Mapping[bool, int],
+    compile_key: str,
+    logger: logging.Logger,
 ) -> Kernel:
-    """Fill ``run.dest`` and ``run.finite_run``; returns the kernel in use at the end."""
+    """Fill ``run.dest`` and ``run.finite_run``; returns the kernel in use at the end.
+
+    ``chunks``: pixels per chunk for the eager (False) and compiled (True) kernel.
+    """
     eager, params, buffers = run.eager, run.params, run.buffers
     on_host = run.device.type == "cpu"
     dest_t = {k: torch.from_numpy(v) for k, v in run.dest.items()}
-    for s in range(0, run.n_run, chunk):
-        e = min(run.n_run, s + chunk)
+    e = 0
+    while e < run.n_run:
+        # the eager kernel's chunks again after a compiled one failed
+        s, e = e, min(run.n_run, e + chunks[kernel is not eager])
         x, t = run.inputs(s, e)
         views = {k: v[..., s:e] for k, v in dest_t.items()} if on_host else run.empty(e - s)
         # One pixel would make the compiler specialise (recompile) on a size of 1.

@@ -541,6 +541,48 @@ def test_compiled_gradients_equal_autograd_loop(
         np.testing.assert_allclose(pred[p], y.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_kernel_failing_mid_tile_finishes_eager(
+    chain: Chain, grid: Path, fresh_kernels: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    real_compile = torch.compile
+    chunk_calls: list[int] = []
+
+    def fails_later(fn: Any, **kwargs: Any) -> Any:
+        compiled = real_compile(fn, **kwargs)
+
+        def run(*args: Any) -> Any:
+            if args[2].shape[-1] != vmapped_probe_pixels():  # a chunk, not a start-up probe
+                chunk_calls.append(args[2].shape[-1])
+                if len(chunk_calls) == 2:
+                    raise RuntimeError("out of compiled luck")
+            return compiled(*args)
+
+        return run
+
+    def vmapped_probe_pixels() -> int:
+        return int(fresh_kernels.COMPILE_CHECK_PIXELS)
+
+    monkeypatch.setattr(torch, "compile", fails_later)
+    cfg = MultidimLinearModel(
+        input_dim=3, hidden_dim=2, output_dim=4, compile="always", chunk_pixels=50
+    )
+    with caplog.at_level("WARNING", logger="gridsolve"):
+        out = run_model(chain, grid, cfg)
+    assert "compiled kernel failed, running eager: RuntimeError: out of compiled luck" in (
+        caplog.text
+    )
+    assert kernel_used(chain) == "eager"  # what ran at the end
+    assert len(chunk_calls) == 2  # after the failure, no compiled call
+    X = pixels(out["coefficients"]).reshape(-1, 3, 2)
+    gw, pred = pixels(out["grad:weight"]), pixels(out["prediction"])
+    module = build_module(cfg)
+    for p in range(X.shape[0]):  # every chunk's outputs, before and after the failure
+        y = module(torch.from_numpy(X[p]))
+        (w,) = torch.autograd.grad(y.sum(), [module.weight])
+        np.testing.assert_allclose(gw[p], w.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(pred[p], y.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_compiled_mse_input_gradients_and_jacobians_equal_autograd(
     chain: Chain, write_cube: Any, fresh_kernels: Any
 ) -> None:
@@ -630,6 +672,41 @@ def test_compiled_kernel_with_wrong_finite_flags_is_not_used(
         run_model(chain, grid, MultidimLinearModel(input_dim=3, hidden_dim=2, compile="always"))
     assert kernel_used(chain) == "eager"
     assert "finite flags wrong at 1 of" in caplog.text
+
+
+def test_compiled_kernel_of_a_model_that_refuses_nan_checks_outputs_itself(
+    chain: Chain, grid: Path, fresh_kernels: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    """Its flags cannot be checked on a NaN probe: they are dropped, not trusted blindly."""
+    real_compile = torch.compile
+    seen: list[Any] = []
+
+    def refuses_nan(fn: Any, **kwargs: Any) -> Any:
+        compiled = real_compile(fn, **kwargs)
+
+        def run(*args: Any) -> Any:
+            if bool(torch.isnan(args[2]).any()):
+                raise ValueError("NaN input")
+            flags = compiled(*args)
+            seen.append(flags)
+            if len(seen) == 1 or flags is None:  # the start-up probe: right flags
+                return flags
+            # then every pixel "not finite": wrong, so the statuses show if they were trusted
+            return torch.zeros_like(flags)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", refuses_nan)
+    cfg = MultidimLinearModel(input_dim=3, hidden_dim=2, output_dim=4, compile="always")
+    with caplog.at_level("INFO", logger="gridsolve"):
+        out = run_model(chain, grid, cfg)
+    assert kernel_used(chain) == "compiled"
+    assert "refuses a NaN input" in caplog.text
+    assert len(seen) > 1  # the compiled function did run the chunks
+    # a linear model's outputs are finite wherever its input is
+    status = out["model_status"]
+    assert (status == MODEL_STATUS_CODES["ok"]).sum() > 0
+    assert not (status == MODEL_STATUS_CODES["output_not_finite"]).any()
 
 
 def test_compile_is_speed_only(chain: Chain, grid: Path) -> None:

@@ -218,6 +218,41 @@ def test_r2_is_uncentred_without_a_constant_in_the_span() -> None:
         np.testing.assert_allclose(out2["r2"][j], res.rsquared, rtol=1e-9)
 
 
+def test_a_pixel_whose_rows_miss_the_constant_is_uncentred_under_unit_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The design spans the constant, so the moments skip the uncentred sum; a pixel whose
+    solve still reports the constant outside its rows' span (an SVD fallback's numerical
+    test; simulated here) gets the uncentred R², not a division by a sum never made."""
+    from gridsolve.stages.solve import linalg
+
+    real = linalg._solve_per_pixel
+
+    def some_off(*args: Any, **kw: Any) -> Any:
+        x, status, spread = real(*args, **kw)
+        if spread is not None:
+            spread.spans[::7] = False
+        return x, status, spread
+
+    monkeypatch.setattr(linalg, "_solve_per_pixel", some_off)
+    B = cube(nan=0.2, seed=3)
+    out, paths = solve(POLY, B, uncertainty="stderr")
+    assert paths["per_pixel"] > 100
+    kinds = []
+    for j in range(B.shape[1]):
+        ok = np.isfinite(B[:, j])
+        b = B[ok, j]
+        r = b - POLY[ok] @ np.linalg.lstsq(POLY[ok], b, rcond=None)[0]
+        centred = 1 - (r @ r) / ((b - b.mean()) @ (b - b.mean()))
+        uncentred = 1 - (r @ r) / (b @ b)
+        if np.isclose(out["r2"][j], centred, rtol=1e-9):
+            kinds.append("centred")
+        else:
+            np.testing.assert_allclose(out["r2"][j], uncentred, rtol=1e-9)
+            kinds.append("uncentred")
+    assert 0 < kinds.count("uncentred") < len(kinds)
+
+
 def test_rank_deficient_minnorm_is_flagged_and_nan_where_not_identifiable() -> None:
     rng = np.random.default_rng(0)
     A = rng.standard_normal((12, 4))
