@@ -877,10 +877,9 @@ def run_tile(
 ) -> StageOutput:
     """Predictions, per-sample gradients (and Jacobians) and the model status of one tile."""
     run = _plan_run(config, inputs, prepared, tile)
-    eager = run.eager
     kernel, compile_key = _pick_kernel(run, config, inputs, prepared, ctx.logger)
     chunks = {c: _chunk_pixels(config, run, ctx.memory_budget, compiled=c) for c in (False, True)}
-    kernel = _run_chunks(run, kernel, chunks, compile_key, ctx.logger)
+    compiled_ran = _run_chunks(run, kernel, chunks, compile_key, ctx.logger)
     out, finite_out = _tile_outputs(run)
     px = run.px
     if px.bad_target.any():
@@ -892,7 +891,7 @@ def run_tile(
     px.status[(px.status == MODEL_STATUS_CODES["ok"]) & ~finite_out] = MODEL_STATUS_CODES[
         "output_not_finite"
     ]
-    return _tile_result(px, out, tile, "eager" if kernel is eager else "compiled")
+    return _tile_result(px, out, tile, "compiled" if compiled_ran else "eager")
 
 
 def _tile_pixels(
@@ -995,15 +994,18 @@ def _run_chunks(
     chunks: Mapping[bool, int],
     compile_key: str,
     logger: logging.Logger,
-) -> Kernel:
-    """Fill ``run.dest`` and ``run.finite_run``; returns the kernel in use at the end.
+) -> bool:
+    """Fill ``run.dest`` and ``run.finite_run``; whether the compiled kernel ran to the end.
 
-    ``chunks``: pixels per chunk for the eager (False) and compiled (True) kernel.
+    True when it computed at least one chunk and never failed (single-pixel
+    chunks always run eager). ``chunks``: pixels per chunk for the eager
+    (False) and compiled (True) kernel.
     """
     eager, params, buffers = run.eager, run.params, run.buffers
     on_host = run.device.type == "cpu"
     dest_t = {k: torch.from_numpy(v) for k, v in run.dest.items()}
     e = 0
+    compiled_chunks = 0
     while e < run.n_run:
         # the eager kernel's chunks again after a compiled one failed
         s, e = e, min(run.n_run, e + chunks[kernel is not eager])
@@ -1015,6 +1017,7 @@ def _run_chunks(
             _pixels_dynamic(x, t, *views.values())
         try:
             flags = fn(params, buffers, x, t, views)
+            compiled_chunks += fn is not eager
         except Exception as exc:
             if fn is eager:
                 raise
@@ -1030,7 +1033,7 @@ def _run_chunks(
         else:
             for arr in run.dest.values():
                 run.finite_run[s:e] &= np.isfinite(arr[..., s:e].reshape(-1, e - s)).all(axis=0)
-    return kernel
+    return kernel is not eager and compiled_chunks > 0
 
 
 def _tile_outputs(run: _TileRun) -> tuple[dict[str, np.ndarray], np.ndarray]:

@@ -800,15 +800,17 @@ def solve_per_pixel(
     svd_chunk: int = 4096,
     active: torch.Tensor | None = None,
     unit: bool = False,
+    n_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Coefficients (coef, P) and status (P,) of pixels with their own weights ``Wp`` (obs, P).
 
     ``B0`` holds zeros where ``Wp`` is zero. Every ``active`` pixel (default:
     all) has enough valid observations; the others are computed but never sent
     to the SVD path, and the caller drops them. ``unit``: the caller knows that
-    ``Wp`` holds only 0 and 1 (it saves a pass over the data).
+    ``Wp`` holds only 0 and 1 (it saves a pass over the data). ``n_valid``: each
+    pixel's count of rows with ``Wp`` > 0, when the caller has it (else counted).
     """
-    x, status, _ = _solve_per_pixel(A, B0, Wp, pol, svd_chunk, active, None, False, unit)
+    x, status, _ = _solve_per_pixel(A, B0, Wp, pol, svd_chunk, active, None, False, unit, n_valid)
     return x, status
 
 
@@ -822,13 +824,16 @@ def solve_per_pixel_spread(
     svd_chunk: int = 4096,
     active: torch.Tensor | None = None,
     unit: bool = False,
+    n_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Spread]:
     """:func:`solve_per_pixel`, and the solutions' :class:`Spread` from the same factorisations.
 
     ``full`` asks for the covariance too. ``spans_known``: the design spans the
     constant on all its rows, hence on every pixel's valid rows.
     """
-    x, status, spread = _solve_per_pixel(A, B0, Wp, pol, svd_chunk, active, full, spans_known, unit)
+    x, status, spread = _solve_per_pixel(
+        A, B0, Wp, pol, svd_chunk, active, full, spans_known, unit, n_valid
+    )
     assert spread is not None
     return x, status, spread
 
@@ -987,6 +992,7 @@ def _solve_per_pixel(
     full: bool | None,
     spans_known: bool,
     unit: bool,
+    n_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Spread | None]:
     obs, coef = A.shape
     lam = pol.ridge if pol.policy == "ridge" else 0.0
@@ -1002,6 +1008,12 @@ def _solve_per_pixel(
         x, good, (Ld, S) = _dual(A, B0, Wp, lam)
     else:
         x, good, (Lp, T) = _primal(A, B0, Wp, lam, unit, full is False)
+        if not lam:
+            # Fewer valid rows than coefficients: singular normal equations, whatever the
+            # pivots say (rounding can leave a last pivot of zero just above the relative
+            # test when an earlier one was small); the SVD path gives the minimum-norm fit.
+            nv = (Wp > 0).sum(0) if n_valid is None else n_valid
+            good = good & (nv >= coef)
     spread = None
     if full is not None:
         if use_dual:

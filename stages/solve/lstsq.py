@@ -1014,8 +1014,11 @@ def _solve_batch(
     act = torch.from_numpy(active).to(device)
     sp = None
     unit = systems.unit
+    n_v = torch.from_numpy(g.n_valid[sel].astype(np.float64)).to(device)
     if mom is None:
-        x, px_status = linalg.solve_per_pixel(At, B0, Wp, blk.pol, active=act, unit=unit)
+        x, px_status = linalg.solve_per_pixel(
+            At, B0, Wp, blk.pol, active=act, unit=unit, n_valid=n_v
+        )
     else:
         x, px_status, sp = linalg.solve_per_pixel_spread(
             At,
@@ -1026,8 +1029,8 @@ def _solve_batch(
             spans_known=blk.op.spans_const,
             active=act,
             unit=unit,
+            n_valid=n_v,
         )
-    n_v = torch.from_numpy(g.n_valid[sel].astype(np.float64)).to(device)
     # compiled: the residual RMS and the moments in one read of the batch's data
     # unit weights: the weighted RMS is the plain one; a design spanning the constant:
     # R² is centred, so the uncentred sum is not needed either

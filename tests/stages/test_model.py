@@ -583,6 +583,15 @@ def test_compiled_kernel_failing_mid_tile_finishes_eager(
         np.testing.assert_allclose(pred[p], y.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_single_pixel_chunks_run_and_are_labelled_eager(
+    chain: Chain, grid: Path, fresh_kernels: Any
+) -> None:
+    """One-pixel chunks never run compiled (the compiler would specialise on 1)."""
+    cfg = MultidimLinearModel(input_dim=3, hidden_dim=2, compile="always", chunk_pixels=1)
+    run_model(chain, grid, cfg)
+    assert kernel_used(chain) == "eager"
+
+
 def test_compiled_mse_input_gradients_and_jacobians_equal_autograd(
     chain: Chain, write_cube: Any, fresh_kernels: Any
 ) -> None:

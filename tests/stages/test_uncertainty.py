@@ -253,6 +253,44 @@ def test_a_pixel_whose_rows_miss_the_constant_is_uncentred_under_unit_weights(
     assert 0 < kinds.count("uncentred") < len(kinds)
 
 
+@pytest.mark.parametrize("path", ["c", "eager"])
+@pytest.mark.parametrize("coef", [4, 10])
+def test_fewer_valid_rows_than_coefficients_is_the_minimum_norm_fit(
+    path: str, coef: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Such a pixel's normal equations are singular, whatever rounding does to the last
+    pivot (it had passed the relative test: a fit that was not the minimum-norm one,
+    dof −1, not flagged rank-deficient, status ok)."""
+    from gridsolve.stages.solve import kernel
+
+    if path == "c" and kernel.name() != "c":
+        pytest.skip("no C compiler here: the eager case covers the path")
+    monkeypatch.setenv(kernel.ENV, path)
+    kernel._library.cache_clear()
+    try:
+        n, px = 30, 600
+        A = np.random.default_rng(42).standard_normal((n, coef))
+        rng = np.random.default_rng(0)
+        B = np.full((n, px), np.nan)
+        for j in range(px):
+            B[rng.choice(n, coef - 1, replace=False), j] = rng.standard_normal(coef - 1) + 3.0
+        if coef == 4:  # the gap pattern on which the pivot test had passed
+            B[:, :8] = np.nan
+            B[[2, 14, 20], :8] = rng.standard_normal((3, 8)) + 3.0
+        out, paths = solve(A, B, uncertainty="stderr", min_valid=1)
+    finally:
+        monkeypatch.delenv(kernel.ENV)
+        kernel._library.cache_clear()
+    assert paths["per_pixel"] > 0
+    assert (out["status"] == STATUS_CODES["ok"]).all()
+    assert (out["dof"] == 0).all()
+    assert (out["uncertainty_flags"] & RANK_DEFICIENT).all()
+    for j in range(px):
+        ok = np.isfinite(B[:, j])
+        want = np.linalg.lstsq(A[ok], B[ok, j], rcond=None)[0]
+        np.testing.assert_allclose(out["coefficients"][:, j], want, rtol=1e-8, atol=1e-10)
+
+
 def test_rank_deficient_minnorm_is_flagged_and_nan_where_not_identifiable() -> None:
     rng = np.random.default_rng(0)
     A = rng.standard_normal((12, 4))
