@@ -28,7 +28,7 @@ import pickle
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -767,13 +767,19 @@ def _flag_problems(flags: torch.Tensor | None, outputs: Mapping[str, torch.Tenso
     """Where a compiled kernel's finite flags differ from numpy's isfinite on its outputs."""
     if flags is None:
         return []
-    host = _host(outputs)
-    m = int(flags.shape[0])
-    want = np.ones(m, bool)
-    for arr in host.values():
-        want &= np.isfinite(arr.reshape(-1, m)).all(axis=0)
+    want = _finite_pixels(_host(outputs).values())
     wrong = int((flags.cpu().numpy() != want).sum())
-    return [f"finite flags wrong at {wrong} of {m} pixels"] if wrong else []
+    return [f"finite flags wrong at {wrong} of {want.size} pixels"] if wrong else []
+
+
+def _finite_pixels(arrays: Iterable[np.ndarray]) -> np.ndarray:
+    """Whether each pixel (the last axis) has only finite values in all ``arrays``."""
+    finite: np.ndarray | None = None
+    for arr in arrays:
+        ok = np.isfinite(arr.reshape(-1, arr.shape[-1])).all(axis=0)
+        finite = ok if finite is None else finite & ok
+    assert finite is not None, "a model has at least one output"
+    return finite
 
 
 def _forget_compiled(key: str | None = None) -> None:
@@ -1031,8 +1037,7 @@ def _run_chunks(
         if flags is not None:
             run.finite_run[s:e] = flags.cpu().numpy()
         else:
-            for arr in run.dest.values():
-                run.finite_run[s:e] &= np.isfinite(arr[..., s:e].reshape(-1, e - s)).all(axis=0)
+            run.finite_run[s:e] = _finite_pixels(arr[..., s:e] for arr in run.dest.values())
     return kernel is not eager and compiled_chunks > 0
 
 

@@ -461,7 +461,8 @@ AIT vd sel_SFX(vi c, vd a, vd b) { return (vd)(((vi)a & c) | ((vi)b & ~c)); }
     for (long k = 0; k < n; ++k)                                                            \
         for (int u = 0; u < R; ++u) r[u] -= A[(t + u) * n + k] * xr[k];
 
-#define MOM_SFX(R)                                                                          \
+/* With ALL 0 (full == 2), without W r^2 and W b^2 */
+#define MOM_SFX(R, ALL)                                                                     \
     {                                                                                       \
         vd r[R];                                                                            \
         RES_SFX(R)                                                                          \
@@ -470,24 +471,10 @@ AIT vd sel_SFX(vi c, vd a, vd b) { return (vd)(((vi)a & c) | ((vi)b & ~c)); }
             vi v = w > 0.0;                                                                 \
             vd rr = r[u] * r[u];                                                            \
             ss += sel_SFX(v, rr, zero);                                                     \
-            wss += sel_SFX(v, w * rr, zero);                                                \
+            if (ALL) wss += sel_SFX(v, w * rr, zero);                                       \
             sw += w;                                                                        \
             swb += sel_SFX(v, w * b, zero);                                                 \
-            uss += sel_SFX(v, w * (b * b), zero);                                           \
-        }                                                                                   \
-    }
-
-/* MOM without W r^2 and W b^2 (full == 2) */
-#define MEAN_SFX(R)                                                                         \
-    {                                                                                       \
-        vd r[R];                                                                            \
-        RES_SFX(R)                                                                          \
-        for (int u = 0; u < R; ++u) {                                                       \
-            vd b = ld_SFX(B0 + (t + u) * bs), w = ld_SFX(W + (t + u) * bs);                 \
-            vi v = w > 0.0;                                                                 \
-            ss += sel_SFX(v, r[u] * r[u], zero);                                            \
-            sw += w;                                                                        \
-            swb += sel_SFX(v, w * b, zero);                                                 \
+            if (ALL) uss += sel_SFX(v, w * (b * b), zero);                                  \
         }                                                                                   \
     }
 
@@ -520,11 +507,11 @@ AIT void moments_SFX(const long n, long m, const double *A, const double *B0, co
         return;
     }
     if (full == 2) {
-        for (; t + 4 <= m; t += 4) MEAN_SFX(4)
-        for (; t < m; ++t) MEAN_SFX(1)
+        for (; t + 4 <= m; t += 4) MOM_SFX(4, 0)
+        for (; t < m; ++t) MOM_SFX(1, 0)
     } else {
-        for (; t + 4 <= m; t += 4) MOM_SFX(4)
-        for (; t < m; ++t) MOM_SFX(1)
+        for (; t + 4 <= m; t += 4) MOM_SFX(4, 1)
+        for (; t < m; ++t) MOM_SFX(1, 1)
     }
     vd mean = swb / sw;
     for (t = 0; t < m; ++t) {

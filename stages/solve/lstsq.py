@@ -1032,9 +1032,9 @@ def _solve_batch(
             n_valid=n_v,
         )
     # compiled: the residual RMS and the moments in one read of the batch's data
-    # unit weights: the weighted RMS is the plain one; a design spanning the constant:
-    # R² is centred, so the uncentred sum is not needed either
-    centred_only = unit and blk.op.spans_const
+    # unit weights: the weighted RMS is the plain one; every pixel's rows span the
+    # constant: R² is centred, so the uncentred sum is not needed either
+    centred_only = unit and sp is not None and bool(sp.spans.all())
     fused = linalg.residual_moments(
         At, B0, Wp, x, n_v, full=mom is not None, centred_only=centred_only
     )
@@ -1061,14 +1061,7 @@ def _solve_batch(
         if fused is None:
             wr, tr = _batch_moments(R, B0, Wp, n_v, r_t, sp.spans, unit)
         else:
-            uss = fused[3]
-            if centred_only and not bool(sp.spans.all()):
-                # a pixel solved by SVD may find the constant outside its rows' span
-                # numerically (Spread.put): its uncentred RMS, which was not summed
-                off = torch.nonzero(~sp.spans).flatten()
-                uss = uss.clone()
-                uss[off] = linalg.column_rms(B0[:, off], n_v[off])  # unit: B0 = √W·b
-            wr, tr = (r_t if unit else fused[1]), torch.where(sp.spans, fused[2], uss)
+            wr, tr = (r_t if unit else fused[1]), torch.where(sp.spans, fused[2], fused[3])
         mom.put(
             on,
             g.C[:, on],

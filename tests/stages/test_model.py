@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -524,6 +525,18 @@ def kernel_used(chain: Chain) -> str:
     return str(chain.ctx.store.get(run.ref.key).meta["kernel"])
 
 
+def wrap_compiled(monkeypatch: Any, around: Callable[..., Any]) -> None:
+    """torch.compile really compiles, and every call of the result goes through
+    ``around(compiled, params, buffers, x, target, outputs)``."""
+    real_compile = torch.compile
+
+    def compile_(fn: Any, **kwargs: Any) -> Any:
+        compiled = real_compile(fn, **kwargs)
+        return lambda *args: around(compiled, *args)
+
+    monkeypatch.setattr(torch, "compile", compile_)
+
+
 def test_compiled_gradients_equal_autograd_loop(
     chain: Chain, grid: Path, fresh_kernels: Any
 ) -> None:
@@ -544,25 +557,16 @@ def test_compiled_gradients_equal_autograd_loop(
 def test_compiled_kernel_failing_mid_tile_finishes_eager(
     chain: Chain, grid: Path, fresh_kernels: Any, monkeypatch: Any, caplog: Any
 ) -> None:
-    real_compile = torch.compile
     chunk_calls: list[int] = []
 
-    def fails_later(fn: Any, **kwargs: Any) -> Any:
-        compiled = real_compile(fn, **kwargs)
+    def fails_later(compiled: Any, *args: Any) -> Any:
+        if args[2].shape[-1] != fresh_kernels.COMPILE_CHECK_PIXELS:  # a chunk, not a probe
+            chunk_calls.append(args[2].shape[-1])
+            if len(chunk_calls) == 2:
+                raise RuntimeError("out of compiled luck")
+        return compiled(*args)
 
-        def run(*args: Any) -> Any:
-            if args[2].shape[-1] != vmapped_probe_pixels():  # a chunk, not a start-up probe
-                chunk_calls.append(args[2].shape[-1])
-                if len(chunk_calls) == 2:
-                    raise RuntimeError("out of compiled luck")
-            return compiled(*args)
-
-        return run
-
-    def vmapped_probe_pixels() -> int:
-        return int(fresh_kernels.COMPILE_CHECK_PIXELS)
-
-    monkeypatch.setattr(torch, "compile", fails_later)
+    wrap_compiled(monkeypatch, fails_later)
     cfg = MultidimLinearModel(
         input_dim=3, hidden_dim=2, output_dim=4, compile="always", chunk_pixels=50
     )
@@ -665,18 +669,12 @@ def test_compiled_kernel_with_wrong_finite_flags_is_not_used(
     chain: Chain, grid: Path, fresh_kernels: Any, monkeypatch: Any, caplog: Any
 ) -> None:
     """Flags that call a NaN output finite (e.g. a compiler folding o - o to 0) are caught."""
-    real_compile = torch.compile
 
-    def all_finite(fn: Any, **kwargs: Any) -> Any:
-        compiled = real_compile(fn, **kwargs)
+    def all_finite(compiled: Any, *args: Any) -> Any:
+        flags = compiled(*args)
+        return None if flags is None else torch.ones_like(flags)
 
-        def run(*args: Any) -> Any:
-            flags = compiled(*args)
-            return None if flags is None else torch.ones_like(flags)
-
-        return run
-
-    monkeypatch.setattr(torch, "compile", all_finite)
+    wrap_compiled(monkeypatch, all_finite)
     with caplog.at_level("WARNING", logger="gridsolve"):
         run_model(chain, grid, MultidimLinearModel(input_dim=3, hidden_dim=2, compile="always"))
     assert kernel_used(chain) == "eager"
@@ -687,25 +685,19 @@ def test_compiled_kernel_of_a_model_that_refuses_nan_checks_outputs_itself(
     chain: Chain, grid: Path, fresh_kernels: Any, monkeypatch: Any, caplog: Any
 ) -> None:
     """Its flags cannot be checked on a NaN probe: they are dropped, not trusted blindly."""
-    real_compile = torch.compile
     seen: list[Any] = []
 
-    def refuses_nan(fn: Any, **kwargs: Any) -> Any:
-        compiled = real_compile(fn, **kwargs)
+    def refuses_nan(compiled: Any, *args: Any) -> Any:
+        if bool(torch.isnan(args[2]).any()):
+            raise ValueError("NaN input")
+        flags = compiled(*args)
+        seen.append(flags)
+        if len(seen) == 1 or flags is None:  # the start-up probe: right flags
+            return flags
+        # then every pixel "not finite": wrong, so the statuses show if they were trusted
+        return torch.zeros_like(flags)
 
-        def run(*args: Any) -> Any:
-            if bool(torch.isnan(args[2]).any()):
-                raise ValueError("NaN input")
-            flags = compiled(*args)
-            seen.append(flags)
-            if len(seen) == 1 or flags is None:  # the start-up probe: right flags
-                return flags
-            # then every pixel "not finite": wrong, so the statuses show if they were trusted
-            return torch.zeros_like(flags)
-
-        return run
-
-    monkeypatch.setattr(torch, "compile", refuses_nan)
+    wrap_compiled(monkeypatch, refuses_nan)
     cfg = MultidimLinearModel(input_dim=3, hidden_dim=2, output_dim=4, compile="always")
     with caplog.at_level("INFO", logger="gridsolve"):
         out = run_model(chain, grid, cfg)
