@@ -604,6 +604,234 @@ static TGT int moments_all_SFX(long n, long m, long P, const double *A, const do
     free(pad);
     return 0;
 }
+
+typedef float vf_SFX __attribute__((vector_size(4 * VL)));
+
+AIT vd vabs_SFX(vd a)
+{
+    const vi mag = (vi){0} + 0x7fffffffffffffffL;
+    return (vd)((vi)a & mag);
+}
+
+/* lane by lane: GCC makes it one vector square root */
+AIT vd vsqrt_SFX(vd a)
+{
+    double t[VL];
+    st_SFX(t, a);
+    for (int l = 0; l < VL; ++l) t[l] = sqrt(t[l]);
+    return ld_SFX(t);
+}
+
+/* L L^T y = h in place (L packed): the arithmetic of solve_block, per lane */
+AIT void fsolve_SFX(const long n, const vd *L, vd *h)
+{
+    for (long i = 0; i < n; ++i) {
+        h[i] /= L[at(i, i, n)];
+        for (long r = i + 1; r < n; ++r) h[r] -= L[at(r, i, n)] * h[i];
+    }
+    for (long i = n - 1; i >= 0; --i) {
+        h[i] /= L[at(i, i, n)];
+        for (long k = 0; k < i; ++k) h[k] -= L[at(i, k, n)] * h[i];
+    }
+}
+
+/* The whole per-pixel primal fit of VL pixels whose weights are their 0/1 masks
+   (linalg.fit_unit), with every intermediate in registers or the L1 cache: the
+   data's m rows bv (0 where invalid) and masks wv, VL apart; Q (m x n) the design's
+   orthonormal basis, pairs its packed Gram rows (np x m), A (m x n) the design, Rinv
+   (n x n, NULL: Q is A). Out: the coefficients x (rows xs apart), good (1.0: every
+   pivot passed and the refinement converged), ss the sum of squared residuals
+   r = b - A x over valid rows and, with want, var = diag(Z^T Z), Z = L^-1 Rinv^T,
+   and tss the sum of squares about the mean. Each step's arithmetic is that of the
+   separate kernels (gs_cholesky, gs_step, gs_moments with full 2, spread_SFX);
+   G, Q^T b and the refinement's residuals are summed in row order. */
+AIT void fit_SFX(const long n, long m, const double *restrict bv, const double *restrict wv,
+                 const double *Q, const double *pairs, const double *A, const double *Rinv,
+                 double tol, double rtol, long steps, long want, double *xo, long xs,
+                 double *go, double *sso, double *varo, double *tsso)
+{
+    const long np = n * (n + 1) / 2;
+    const vd zero = {0}, one = zero + 1.0, dmin = zero + DBL_MIN, dmax = zero + DBL_MAX;
+    vd L[NMAX * (NMAX + 1) / 2], dg[NMAX], h[NMAX], x[NMAX], xf[NMAX];
+    long c0 = 0;
+    for (; c0 + 8 <= np; c0 += 8) {
+        vd acc[8];
+        for (int c = 0; c < 8; ++c) acc[c] = zero;
+        for (long t = 0; t < m; ++t) {
+            vd w = ld_SFX(wv + t * VL);
+            for (int c = 0; c < 8; ++c) acc[c] += pairs[(c0 + c) * m + t] * w;
+        }
+        for (int c = 0; c < 8; ++c) L[c0 + c] = acc[c];
+    }
+    if (c0 < np) {
+        vd acc[8];
+        const long cn = np - c0;
+        for (int c = 0; c < 8; ++c) acc[c] = zero;
+        for (long t = 0; t < m; ++t) {
+            vd w = ld_SFX(wv + t * VL);
+            for (long c = 0; c < cn; ++c) acc[c] += pairs[(c0 + c) * m + t] * w;
+        }
+        for (long c = 0; c < cn; ++c) L[c0 + c] = acc[c];
+    }
+    for (long k = 0; k < n; ++k) h[k] = zero;
+    for (long t = 0; t < m; ++t) {
+        vd b = ld_SFX(bv + t * VL);
+        for (long k = 0; k < n; ++k) h[k] += Q[t * n + k] * b;
+    }
+    /* gs_cholesky */
+    vi ok = (vi){0} - 1;
+    for (long j = 0; j < n; ++j) dg[j] = L[at(j, j, n)];
+    for (long j = 0; j < n; ++j) {
+        vd d2 = L[at(j, j, n)];
+        ok &= (d2 > tol * dg[j]) & (d2 > dmin);
+        vd piv = one / vsqrt_SFX(sel_SFX((d2 != d2) | (d2 > dmin), d2, dmin));
+        for (long r = j; r < n; ++r) L[at(r, j, n)] *= piv;
+        for (long c = j + 1; c < n; ++c)
+            for (long r = c; r < n; ++r) L[at(r, c, n)] -= L[at(r, j, n)] * L[at(c, j, n)];
+    }
+    fsolve_SFX(n, L, h);
+    for (long k = 0; k < n; ++k) x[k] = h[k];
+    /* refinement: gs_step, the first step on every lane, later ones on lanes not yet
+       converged (ok and not conv) */
+    vi conv = (vi){0};
+    for (long s = 0; s < steps; ++s) {
+        vi act = s ? ok & ~conv : (vi){0} - 1;
+        vi any = act;
+        long some = 0;
+        for (int l = 0; l < VL; ++l) some |= any[l];
+        if (!some) break;
+        for (long k = 0; k < n; ++k) h[k] = zero;
+        for (long t = 0; t < m; ++t) {
+            vd r = ld_SFX(bv + t * VL);
+            for (long k = 0; k < n; ++k) r -= Q[t * n + k] * x[k];
+            r *= ld_SFX(wv + t * VL);
+            for (long k = 0; k < n; ++k) h[k] += Q[t * n + k] * r;
+        }
+        fsolve_SFX(n, L, h);
+        vd xm = zero, dm = zero;
+        for (long k = 0; k < n; ++k) {
+            vd nx = sel_SFX(act, x[k] + h[k], x[k]);
+            x[k] = nx;
+            vd a = vabs_SFX(nx), d = vabs_SFX(h[k]);
+            xm = sel_SFX((a > xm) | (a != a), a, xm);
+            dm = sel_SFX((d > dm) | (d != d), d, dm);
+        }
+        vi now = act & ok & (xm <= dmax) & (dm <= rtol * xm);
+        conv |= now;
+    }
+    if (Rinv) {
+        for (long i = 0; i < n; ++i) {
+            vd acc = zero;
+            for (long k = 0; k < n; ++k) acc += Rinv[i * n + k] * x[k];
+            xf[i] = acc;
+        }
+    } else {
+        for (long i = 0; i < n; ++i) xf[i] = x[i];
+    }
+    for (long k = 0; k < n; ++k) st_SFX(xo + k * xs, xf[k]);
+    st_SFX(go, sel_SFX(ok & conv, one, zero));
+    /* gs_moments (full 0 or 2) on the final coefficients */
+    vd ss = zero, sw = zero, swb = zero;
+    for (long t = 0; t < m; ++t) {
+        vd b = ld_SFX(bv + t * VL), w = ld_SFX(wv + t * VL);
+        vd r = b;
+        for (long k = 0; k < n; ++k) r -= A[t * n + k] * xf[k];
+        vi v = w > 0.0;
+        ss += sel_SFX(v, r * r, zero);
+        sw += w;
+        swb += sel_SFX(v, w * b, zero);
+    }
+    st_SFX(sso, ss);
+    if (!want) return;
+    vd mean = swb / sw, tss = zero;
+    for (long t = 0; t < m; ++t) {
+        vd w = ld_SFX(wv + t * VL), d = ld_SFX(bv + t * VL) - mean;
+        tss += sel_SFX(w > 0.0, w * (d * d), zero);
+    }
+    st_SFX(tsso, tss);
+    /* spread_SFX with T = Rinv^T */
+    vd inv[NMAX], acc[NMAX], z[NMAX][NMAX];
+    for (long i = 0; i < n; ++i) {
+        inv[i] = one / L[at(i, i, n)];
+        acc[i] = zero;
+        for (long k = 0; k <= i; ++k) z[i][k] = zero + (Rinv ? Rinv[k * n + i] : (double)(i == k));
+    }
+    for (long j = 0; j < n; ++j) {
+        for (long k = 0; k <= j; ++k) {
+            vd zj = z[j][k] * inv[j];
+            acc[k] += zj * zj;
+            z[j][k] = zj;
+        }
+        for (long i = j + 1; i < n; ++i) {
+            vd l = L[at(i, j, n)];
+            for (long k = 0; k <= j; ++k) z[i][k] -= l * z[j][k];
+        }
+    }
+    for (long k = 0; k < n; ++k) st_SFX(varo + k * xs, acc[k]);
+}
+
+/* fit_SFX over pixels [p0, p1) of the data src (m rows, `stride` elements apart,
+   float64 with f64 else float32): each VL pixels' rows converted (NaN and +-inf: 0,
+   weight 0) into scratch, then fitted. Returns -1 when out of memory. */
+static TGT int fit_all_SFX(long n, long m, long P, const void *src, long stride, long f64,
+                           const double *Q, const double *pairs, const double *A,
+                           const double *Rinv, double tol, double rtol, long steps, long want,
+                           double *x, unsigned char *good, double *ss, double *var, double *tss,
+                           long p0, long p1)
+{
+    double *pad = malloc(sizeof(double) * (size_t)(VL * (2 * m + 2 * n + 4)));
+    if (!pad) return -1;
+    double *bv = pad, *wv = pad + VL * m, *qx = wv + VL * m, *qv = qx + VL * n;
+    double *qg = qv + VL * n, *qs = qg + VL, *qt = qs + VL;
+    const vd zero = {0}, one = zero + 1.0;
+    const float *s32 = src;
+    const double *s64 = src;
+    for (long b0 = p0; b0 < p1; b0 += VL) {
+        long w = p1 - b0 < VL ? p1 - b0 : VL;
+        for (long t = 0; t < m; ++t) {
+            vd v;
+            if (w == VL && f64) {
+                PF_SFX(s64 + t * stride + b0);
+                v = ld_SFX(s64 + t * stride + b0);
+            } else if (w == VL) {
+                vf_SFX f;
+                PF_SFX(s32 + t * stride + b0);
+                memcpy(&f, s32 + t * stride + b0, sizeof f);
+                v = __builtin_convertvector(f, vd);
+            } else {
+                double lane[VL];
+                for (long l = 0; l < VL; ++l)
+                    lane[l] = l >= w ? NAN : f64 ? s64[t * stride + b0 + l]
+                                                 : (double)s32[t * stride + b0 + l];
+                v = ld_SFX(lane);
+            }
+            vi fin = (v - v) == zero; /* NaN and inf give NaN */
+            st_SFX(bv + t * VL, sel_SFX(fin, v, zero));
+            st_SFX(wv + t * VL, sel_SFX(fin, one, zero));
+        }
+        double g[VL];
+        if (w == VL) {
+#define FIT_SFX(K) fit_SFX(K, m, bv, wv, Q, pairs, A, Rinv, tol, rtol, steps, want, x + b0, P, \
+                           g, ss + b0, want ? var + b0 : NULL, want ? tss + b0 : NULL)
+            FIT_SFX(n);
+        } else {
+#define FIT_TAIL_SFX(K) fit_SFX(K, m, bv, wv, Q, pairs, A, Rinv, tol, rtol, steps, want, qx, \
+                                VL, g, qs, qv, qt)
+            FIT_TAIL_SFX(n);
+            for (long l = 0; l < w; ++l) {
+                for (long k = 0; k < n; ++k) {
+                    x[k * P + b0 + l] = qx[k * VL + l];
+                    if (want) var[k * P + b0 + l] = qv[k * VL + l];
+                }
+                ss[b0 + l] = qs[l];
+                if (want) tss[b0 + l] = qt[l];
+            }
+        }
+        for (long l = 0; l < w; ++l) good[b0 + l] = g[l] > 0.5;
+    }
+    free(pad);
+    return 0;
+}
 #undef vd
 #undef vi
 #undef TGT
@@ -659,6 +887,25 @@ int gs_moments(long n, long m, long P, const double *A, const double *B0, const 
     return moments_all_sse2(n, m, P, A, B0, W, x, full, ss, wss, tss, uss, p0, p1);
 }
 
+
+/* The fused primal fit (fit_SFX) of pixels [p0, p1): see fit_all. Returns -1 when
+   n > 16 or out of memory. */
+int gs_fit(long n, long m, long P, const void *src, long stride, long f64, const double *Q,
+           const double *pairs, const double *A, const double *Rinv, double tol, double rtol,
+           long steps, long want, double *x, unsigned char *good, double *ss, double *var,
+           double *tss, long p0, long p1)
+{
+    if (n < 1 || n > NMAX) return -1;
+    int isa = gs_isa();
+    if (isa >= 3)
+        return fit_all_avx512(n, m, P, src, stride, f64, Q, pairs, A, Rinv, tol, rtol, steps,
+                              want, x, good, ss, var, tss, p0, p1);
+    if (isa == 2)
+        return fit_all_avx2(n, m, P, src, stride, f64, Q, pairs, A, Rinv, tol, rtol, steps,
+                            want, x, good, ss, var, tss, p0, p1);
+    return fit_all_sse2(n, m, P, src, stride, f64, Q, pairs, A, Rinv, tol, rtol, steps, want,
+                        x, good, ss, var, tss, p0, p1);
+}
 """
 
 #: The whole C source: SOURCE's kernels, then the vector ones per instruction set.
@@ -785,6 +1032,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gs_gap_solve.restype = None
     lib.gs_moments.argtypes = [L, L, L, V, V, V, V, L, V, V, V, V, L, L]
     lib.gs_moments.restype = ctypes.c_int
+    lib.gs_fit.argtypes = [L, L, L, V, L, L, V, V, V, V, D, D, L, L, V, V, V, V, V, L, L]
+    lib.gs_fit.restype = ctypes.c_int
     return lib
 
 
@@ -1060,6 +1309,11 @@ def spread(
     return var, Z
 
 
+def _rows_contiguous(a: np.ndarray) -> bool:
+    """Each row's elements adjacent (one column: whatever numpy says its stride is)."""
+    return a.shape[1] == 1 or a.strides[1] == a.itemsize
+
+
 def load(src: np.ndarray, finite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``src`` (m, P) as float64 with NaN and ±inf as 0; None where the kernel cannot take it.
 
@@ -1069,7 +1323,7 @@ def load(src: np.ndarray, finite: bool = False) -> tuple[torch.Tensor, torch.Ten
     lib = _library()
     fn = {np.dtype(np.float32): "gs_load_f32", np.dtype(np.float64): "gs_load_f64"}
     name = fn.get(src.dtype)
-    if lib is None or name is None or src.ndim != 2 or src.strides[1] != src.itemsize:
+    if lib is None or name is None or src.ndim != 2 or not _rows_contiguous(src):
         return None
     if src.strides[0] % src.itemsize:
         return None
@@ -1110,3 +1364,67 @@ def moments(
         p,
     )
     return out
+
+
+def fit(
+    src: np.ndarray,
+    Q: torch.Tensor,
+    pairs: torch.Tensor,
+    A: torch.Tensor,
+    Rinv: torch.Tensor | None,
+    tol: float,
+    refine_tol: float,
+    steps: int,
+    want: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The per-pixel primal fit of every column of ``src`` (m, P) with its 0/1 mask as weights.
+
+    :func:`linalg.fit_unit`'s kernel. ``src``: float32 or float64 rows, each contiguous
+    (a column slice of the data); NaN and ±inf are invalid rows. ``Q`` (m, n) the design's
+    basis, ``pairs`` its packed Gram rows (n(n+1)/2, m), ``A`` (m, n) the design,
+    ``Rinv`` (n, n) the coefficients' change of basis (None: ``Q`` is ``A``). Returns the
+    coefficients (n, P), which pixels factored and converged, the sum of squared
+    residuals over valid rows and, with ``want``, the variances ``diag(ZᵀZ)`` (n, P) of
+    ``Z = L⁻¹R⁻ᵀ`` and the sum of squares about the mean.
+    """
+    lib = _loaded()
+    m, p = src.shape
+    n = A.shape[1]
+    if src.dtype not in (np.float32, np.float64) or src.ndim != 2 or p == 0:
+        raise ValueError("fit: src must be a non-empty 2-D float32 or float64 array")
+    if not _rows_contiguous(src) or src.strides[0] % src.itemsize or src.strides[0] < 0:
+        raise ValueError("fit: src's rows must each be contiguous")
+    mats = [Q, pairs, A] + ([] if Rinv is None else [Rinv])
+    shapes = [(m, n), (n * (n + 1) // 2, m), (m, n)] + ([] if Rinv is None else [(n, n)])
+    if not 1 <= n <= MAX_ORDER or any(
+        t.shape != s or not usable(t) for t, s in zip(mats, shapes, strict=True)
+    ):
+        raise ValueError("fit: Q, A (m, n ≤ 16), pairs and Rinv contiguous float64 on the CPU")
+    x = torch.empty((n, p), dtype=torch.float64)
+    good = torch.empty(p, dtype=torch.bool)
+    ss = torch.empty(p, dtype=torch.float64)
+    var = torch.empty((n, p), dtype=torch.float64) if want else None
+    tss = torch.empty(p, dtype=torch.float64) if want else None
+    args = (
+        n,
+        m,
+        p,
+        src.ctypes.data,
+        src.strides[0] // src.itemsize,
+        int(src.dtype == np.float64),
+        Q.data_ptr(),
+        pairs.data_ptr(),
+        A.data_ptr(),
+        None if Rinv is None else Rinv.data_ptr(),
+        tol,
+        refine_tol,
+        steps,
+        int(want),
+        x.data_ptr(),
+        good.data_ptr(),
+        ss.data_ptr(),
+        None if var is None else var.data_ptr(),
+        None if tss is None else tss.data_ptr(),
+    )
+    _run(lib.gs_fit, args, p)
+    return x, good, ss, var, tss

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -1033,10 +1034,32 @@ def _solve_per_pixel(
             for start in range(0, todo.numel(), svd_chunk):
                 sel = todo[start : start + svd_chunk]
                 spread.spans[sel] = _svd_spans(A, Wp[:, sel], pol)
-    status = torch.full((B0.shape[1],), OK, dtype=torch.int8, device=A.device)
+    status = _settle(
+        A, pol, svd_chunk, active, good, x, spread, full, lambda c: (B0[:, c], Wp[:, c])
+    )
+    return x, status, spread
+
+
+def _settle(
+    A: torch.Tensor,
+    pol: Policy,
+    svd_chunk: int,
+    active: torch.Tensor | None,
+    good: torch.Tensor,
+    x: torch.Tensor,
+    spread: Spread | None,
+    full: bool | None,
+    columns: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """Every pixel's status, the ``active`` ones that did not factor well re-solved.
+
+    Those (not ``good``) are solved again by the policy's fallback, into ``x`` and
+    ``spread``. ``columns(sel)``: ``B0`` and ``Wp`` of the pixels ``sel`` (only those are read).
+    """
+    status = torch.full((x.shape[1],), OK, dtype=torch.int8, device=A.device)
     bad = torch.nonzero(~good if active is None else active & ~good).flatten()
     if bad.numel() == 0:
-        return x, status, spread
+        return status
     how = pol.policy
     if how == "cholesky":
         if pol.fallback == "none":
@@ -1047,12 +1070,101 @@ def _solve_per_pixel(
                 spread.edf[bad] = torch.nan
                 if spread.cov is not None:
                     spread.cov[:, :, bad] = torch.nan
-            return x, status, spread
+            return status
         how = pol.fallback
         status[bad] = FELL_BACK_RIDGE if how == "ridge" else FELL_BACK_MINNORM
     for start in range(0, bad.numel(), svd_chunk):
         sel = bad[start : start + svd_chunk]
-        x[:, sel], part = _svd_solve(A, B0[:, sel], Wp[:, sel], how, pol, full)
+        x[:, sel], part = _svd_solve(A, *columns(sel), how, pol, full)
         if spread is not None and part is not None:
             spread.put(sel, part)
-    return x, status, spread
+    return status
+
+
+def fit_unit(
+    A: torch.Tensor,
+    src: np.ndarray,
+    pol: Policy,
+    n_valid: torch.Tensor,
+    active: torch.Tensor | None,
+    spread: bool,
+    svd_chunk: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor, Spread | None, torch.Tensor, torch.Tensor | None] | None:
+    """:func:`solve_per_pixel` of unit-weight columns, and their RMS; None where it cannot run.
+
+    The columns of ``src`` (obs, P) take their 0/1 masks as weights (NaN and ±inf:
+    invalid). The compiled kernel does each pixel's normal equations, factorisation, solve,
+    refinement, residual sums (and with ``spread``, the variances and the data's sum
+    of squares about its mean) in one read of its data, for the primal form without
+    ridge (the per-pixel path's usual case). With ``spread`` the valid rows of every
+    pixel are taken to span the constant (the caller knows the design does). Returns
+    the coefficients, status, the :class:`Spread` (with ``spread``), the residual
+    RMS and (with ``spread``) the RMS about the mean, over each pixel's
+    ``n_valid`` rows. The pixels that fall back read their data again.
+    """
+    obs, coef = A.shape
+    if (
+        pol.policy == "ridge"
+        or (pol.policy != "cholesky" and coef > obs)
+        or not 1 <= coef <= kernel.MAX_ORDER
+        or src.dtype not in (np.float32, np.float64)
+        or src.ndim != 2
+        or src.shape[1] == 0
+        or not (src.shape[1] == 1 or src.strides[1] == src.itemsize)
+        or src.strides[0] % src.itemsize
+        or src.strides[0] < 0
+        or not kernel.usable(A, n_valid)
+    ):
+        return None
+    setup = _primal_setup(A, 0.0)
+    Rinv = None if setup.Rinv is None else setup.Rinv.contiguous()
+    basis = setup.basis.contiguous()
+    x, good, ss, var, tss = kernel.fit(
+        src, basis, setup.pairs, A.contiguous(), Rinv, PIVOT_TOL, REFINE_TOL, REFINE_STEPS, spread
+    )
+    # as _solve_per_pixel: too few rows for the coefficients go to the SVD path
+    good &= n_valid >= coef
+    sp = None
+    if spread:
+        assert var is not None
+        sp = _spread_of(var, None, 0.0, False, coef, x.shape[1], x.device)
+
+    @functools.cache
+    def loaded(key: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        cols = np.frombuffer(key, dtype=np.int64)
+        got = kernel.load(np.ascontiguousarray(src[:, cols]), True)
+        assert got is not None and got[1] is not None
+        return got[0], got[1]
+
+    def columns(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return loaded(sel.numpy().astype(np.int64).tobytes())
+
+    status = _settle(A, pol, svd_chunk, active, good, x, sp, False if spread else None, columns)
+    # the sums as residual_moments takes them; its redo (and the fallen-back pixels,
+    # whose coefficients changed) from the columns read again
+    fi = torch.finfo(ss.dtype)
+    small = 4 * obs * fi.tiny / fi.eps
+    sums = [ss] if tss is None else [ss, tss]
+    again = ~good
+    for t in sums:
+        again |= ~((t >= small) & (t <= fi.max))
+    if active is not None:  # the others are dropped
+        again &= active
+    for t in sums:
+        # numpy's: torch's sqrt wakes its thread pool, which then spins on the cores
+        # the kernel's next batch runs on (the masked benchmark: 40 → 60 ms a solve)
+        np.sqrt(np.divide(t.numpy(), n_valid.numpy(), out=t.numpy()), out=t.numpy())
+    redo = torch.nonzero(again).flatten()
+    if redo.numel():
+        B0c, Wc = columns(redo)
+        # a fallen-back pixel's rows may miss the constant by the SVD's test: uncentred
+        spans = None if sp is None else sp.spans[redo]
+        centred = spans is None or bool(spans.all())
+        fixed = residual_moments(
+            A, B0c, Wc, x[:, redo].contiguous(), n_valid[redo], spread, centred
+        )
+        assert fixed is not None
+        ss[redo] = fixed[0]
+        if tss is not None and spans is not None:
+            tss[redo] = torch.where(spans, fixed[2], fixed[3])
+    return x, status, sp, ss, tss

@@ -1000,10 +1000,78 @@ def _solve_batch(
         vmask = np.ascontiguousarray(g.valid[:, sel])
         return vmask, torch.from_numpy(vmask).to(device)
 
+    act = torch.from_numpy(active).to(device)
+    n_v = torch.from_numpy(g.n_valid[sel].astype(np.float64)).to(device)
+    done = None
+    if (
+        device.type == "cpu"
+        and systems.unit
+        and (mom is None or (not blk.full and blk.op.spans_const))
+    ):
+        # the whole fit of each pixel in one read of its data (the usual masked case)
+        fit = linalg.fit_unit(At, blk.B[:, sel], blk.pol, n_v, act, mom is not None)
+        if fit is not None:
+            x, px_status, sp, r_t, tr_t = fit
+            done = _Solved(x, px_status, sp, r_t, r_t, tr_t)
+    if done is None:
+        done = _solve_batch_apart(blk, systems, sel, act, n_v, valid_rows)
+    x, px_status, sp, r_t = done.x, done.status, done.spread, done.rms
+    r = r_t.cpu().numpy()
+    xs, sts = x.cpu().numpy(), px_status.cpu().numpy()
+    on: slice | np.ndarray
+    pick: slice | np.ndarray
+    if isinstance(sel, slice) and active.all():  # no gathers: most batches of a cloudy tile
+        on, pick = sel, slice(None)
+    else:
+        on = (np.flatnonzero(active) + sel.start) if isinstance(sel, slice) else sel
+        pick = active
+    # Solved in float64: a coefficient beyond the stored dtype is inf once stored,
+    # and so is its pixel's residual RMS (checked here, on the batch, while it is hot).
+    stored = xs[:, pick].astype(g.C.dtype, copy=False)
+    rms = np.where(np.isfinite(stored).all(axis=0), r[pick], np.inf)
+    g.C[:, on], g.rms[on], blk.status[on] = stored, rms, sts[pick]
+    if mom is not None and sp is not None:
+        assert done.wrms is not None and done.trms is not None
+        mom.put(
+            on,
+            g.C[:, on],
+            g.n_valid[on],
+            blk.status[on],
+            done.wrms.cpu().numpy()[pick],
+            done.trms.cpu().numpy()[pick],
+            sp.var.cpu().numpy()[:, pick],
+            sp.edf.cpu().numpy()[pick],
+            None if sp.cov is None else sp.cov.cpu().numpy()[:, :, pick],
+        )
+
+
+@dataclass(frozen=True)
+class _Solved:
+    """A per-pixel batch's solution, residual RMS and (with uncertainty) its moments."""
+
+    x: torch.Tensor  # (coef, P) float64
+    status: torch.Tensor  # (P,) int8
+    spread: linalg.Spread | None  # with uncertainty
+    rms: torch.Tensor  # (P,) residual RMS over the valid rows
+    wrms: torch.Tensor | None  # weighted residual RMS (with uncertainty)
+    trms: torch.Tensor | None  # weighted RMS of the data about its mean, or zero where
+    # the pixel's rows do not span the constant (with uncertainty)
+
+
+def _solve_batch_apart(
+    blk: _Block,
+    systems: _PixelSystems,
+    sel: slice | np.ndarray,
+    act: torch.Tensor,
+    n_v: torch.Tensor,
+    valid_rows: Callable[[], tuple[np.ndarray, torch.Tensor]],
+) -> _Solved:
+    """A batch solved by separate passes over its data (any weights, policy and device)."""
+    device, At, mom, unit = blk.device, systems.At, blk.mom, systems.unit
     # Invalid observations are NaN, ±inf or carry zero weight: zero them (linalg's
     # contract: B0 is 0 where the weight is), weight them 0.
     # unit: the weights are the finite values' mask, made in the same pass
-    loaded = kernel.load(blk.B[:, sel], systems.unit) if device.type == "cpu" else None
+    loaded = kernel.load(blk.B[:, sel], unit) if device.type == "cpu" else None
     W01 = None
     if loaded is None:
         B0 = torch.from_numpy(blk.B[:, sel]).to(device, torch.float64, copy=True)
@@ -1011,10 +1079,7 @@ def _solve_batch(
     else:  # the same values, in one pass
         B0, W01 = loaded
     Wp = W01 if W01 is not None else _batch_weights(systems, sel, *valid_rows(), device)
-    act = torch.from_numpy(active).to(device)
     sp = None
-    unit = systems.unit
-    n_v = torch.from_numpy(g.n_valid[sel].astype(np.float64)).to(device)
     if mom is None:
         x, px_status = linalg.solve_per_pixel(
             At, B0, Wp, blk.pol, active=act, unit=unit, n_valid=n_v
@@ -1041,38 +1106,15 @@ def _solve_batch(
     if fused is None:
         R = linalg.colmm_sub(B0, At, x).mul_(valid_rows()[1])
         r_t = linalg.column_rms(R, n_v)
-    else:
-        r_t = fused[0]
-    r = r_t.cpu().numpy()
-    xs, sts = x.cpu().numpy(), px_status.cpu().numpy()
-    on: slice | np.ndarray
-    pick: slice | np.ndarray
-    if isinstance(sel, slice) and active.all():  # no gathers: most batches of a cloudy tile
-        on, pick = sel, slice(None)
-    else:
-        on = (np.flatnonzero(active) + sel.start) if isinstance(sel, slice) else sel
-        pick = active
-    # Solved in float64: a coefficient beyond the stored dtype is inf once stored,
-    # and so is its pixel's residual RMS (checked here, on the batch, while it is hot).
-    stored = xs[:, pick].astype(g.C.dtype, copy=False)
-    rms = np.where(np.isfinite(stored).all(axis=0), r[pick], np.inf)
-    g.C[:, on], g.rms[on], blk.status[on] = stored, rms, sts[pick]
-    if mom is not None and sp is not None:
-        if fused is None:
-            wr, tr = _batch_moments(R, B0, Wp, n_v, r_t, sp.spans, unit)
-        else:
-            wr, tr = (r_t if unit else fused[1]), torch.where(sp.spans, fused[2], fused[3])
-        mom.put(
-            on,
-            g.C[:, on],
-            g.n_valid[on],
-            blk.status[on],
-            wr.cpu().numpy()[pick],
-            tr.cpu().numpy()[pick],
-            sp.var.cpu().numpy()[:, pick],
-            sp.edf.cpu().numpy()[pick],
-            None if sp.cov is None else sp.cov.cpu().numpy()[:, :, pick],
-        )
+        if sp is None:
+            return _Solved(x, px_status, sp, r_t, None, None)
+        wr, tr = _batch_moments(R, B0, Wp, n_v, r_t, sp.spans, unit)
+        return _Solved(x, px_status, sp, r_t, wr, tr)
+    r_t = fused[0]
+    if sp is None:
+        return _Solved(x, px_status, sp, r_t, None, None)
+    wr = r_t if unit else fused[1]
+    return _Solved(x, px_status, sp, r_t, wr, torch.where(sp.spans, fused[2], fused[3]))
 
 
 def _batch_moments(

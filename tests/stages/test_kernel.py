@@ -40,6 +40,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         "statistics",
         "gap_solve",
         "step",
+        "fit",
     ):
         fn = getattr(kernel, name)
 
@@ -325,8 +326,10 @@ def test_solve_stage_agrees_with_the_eager_path_and_lstsq(
     A, B = _masked_cube(3)
     config = LstsqSolve(policy="minnorm", dtype="float64", uncertainty=uncertainty)
     compiled = _run(A, B, config)
-    ran = {"cholesky", "cholesky+rhs", "solve_", "moments", "load"}
-    ran |= {"cholesky+spread", "statistics"} if uncertainty == "stderr" else set()
+    # unit weights, no covariance: the fused fit; the covariance: the separate passes
+    ran = {"fit"} if uncertainty != "cov" else {"cholesky", "cholesky+rhs", "solve_", "moments"}
+    ran |= {"load"} if uncertainty == "cov" else set()
+    ran |= {"statistics"} if uncertainty == "stderr" else set()
     ran |= {"spread"} if uncertainty == "cov" else set()
     assert ran <= set(calls), calls  # the compiled path did run
     calls.clear()
@@ -582,6 +585,12 @@ def test_every_vector_version_gives_the_same_bits() -> None:
     B0 = torch.from_numpy(rng.standard_normal((m, p))) * (W > 0)
     G, _, T = _systems(n, p, seed=15)
     kernel.cholesky(G, n, linalg.PIVOT_TOL)
+    # the fused fit: float32 data with gaps, a polynomial design in its orthonormal basis
+    tf, src = _fit_data(m, p, np.float32, seed=15)
+    Af = torch.from_numpy(np.ascontiguousarray(np.polynomial.chebyshev.chebvander(tf, n - 1)))
+    setup = linalg._primal_setup(Af, 0.0)
+    assert setup.Rinv is not None
+    Qf, pairs, Rinv = setup.basis.contiguous(), setup.pairs, setup.Rinv.contiguous()
     best = kernel.use_isa(3)
     if best < 2:
         pytest.skip("this CPU has SSE2 only: one vector version, nothing to compare")
@@ -591,11 +600,101 @@ def test_every_vector_version_gives_the_same_bits() -> None:
             assert kernel.use_isa(isa) == isa
             var, _ = kernel.spread(G, n, T, False)
             centred = kernel.moments(A, B0, W, x, centred_only=True)
-            results[isa] = [var, *kernel.moments(A, B0, W, x), *centred]
+            fit = kernel.fit(src, Qf, pairs, Af, Rinv, linalg.PIVOT_TOL, 1e-11, 2, True)
+            results[isa] = [var, *kernel.moments(A, B0, W, x), *centred, *fit]
     finally:
         kernel.use_isa(3)
     assert len(results) == best >= 2  # SSE2 and AVX2, and AVX-512 where the CPU has it
     for isa, got in results.items():
         for a, b in zip(got, results[1], strict=True):
+            if not a.is_floating_point():  # the fused fit's flags
+                assert torch.equal(a, b) and bool(a.any()), isa
+                continue
             assert torch.equal(a.isnan(), b.isnan()), isa
             assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), isa
+
+
+def _fit_data(m: int, p: int, dtype: type, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A design (m, 6 columns of a polynomial) and data with NaN, ±inf and a strided layout."""
+    rng = np.random.default_rng(seed)
+    t = np.linspace(-1, 1, m)
+    big = rng.standard_normal((m, p + 9)) + 3.0
+    big[rng.random(big.shape) < 0.2] = np.nan
+    big[rng.random(big.shape) < 0.02] = np.inf
+    big[rng.random(big.shape) < 0.02] = -np.inf
+    return t, big.astype(dtype)[:, 5 : 5 + p]  # a column slice: rows `p + 9` apart
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 3, 10, 16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fused_fit_agrees_with_the_separate_passes_and_lstsq(n: int, dtype: type) -> None:
+    """kernel.fit (every step of a unit-weight primal fit in one pass) against the separate
+    kernels' _primal, numpy's lstsq per pixel, and, bit for bit, the moments kernel on its
+    own coefficients (the same arithmetic)."""
+    m, p = 40, 203  # a ragged last group for every lane count
+    t, src = _fit_data(m, p, dtype, seed=n)
+    A = torch.from_numpy(np.ascontiguousarray(np.polynomial.chebyshev.chebvander(t, n - 1)))
+    setup = linalg._primal_setup(A, 0.0)
+    assert setup.Rinv is not None
+    x, good, ss, var, tss = kernel.fit(
+        src, setup.basis.contiguous(), setup.pairs, A, setup.Rinv.contiguous(),
+        linalg.PIVOT_TOL, linalg.REFINE_TOL, linalg.REFINE_STEPS, True,
+    )  # fmt: skip
+    assert var is not None and tss is not None
+    loaded = kernel.load(src, True)
+    assert loaded is not None and loaded[1] is not None
+    B0, W = loaded
+    xe, conv, (L, _) = linalg._primal(A, B0, W, 0.0, True, True)
+    assert torch.equal(good, conv) and bool(good.all())
+    np.testing.assert_allclose(x.numpy(), xe.numpy(), rtol=1e-11, atol=1e-12)
+    assert L.var is not None
+    np.testing.assert_allclose(var.numpy(), L.var.numpy(), rtol=1e-11)
+    sums = kernel.moments(A, B0, W, x, centred_only=True)
+    assert torch.equal(ss, sums[0]) and torch.equal(tss, sums[2])
+    for j in range(0, p, 17):
+        ok = np.isfinite(src[:, j])
+        want = np.linalg.lstsq(A.numpy()[ok], src[ok, j].astype(np.float64), rcond=None)[0]
+        np.testing.assert_allclose(x[:, j].numpy(), want, rtol=1e-10, atol=1e-12)
+        r = src[ok, j] - A.numpy()[ok] @ x[:, j].numpy()
+        assert float(ss[j]) == pytest.approx(float(r @ r), rel=1e-9)
+
+
+@needs_kernel
+def test_fused_fit_without_a_change_of_basis_and_with_singular_pixels() -> None:
+    """``Rinv`` None (the design itself as the basis); a pixel with fewer valid rows than
+    coefficients, or none, is not good; the others match lstsq."""
+    m, n, p = 25, 4, 70
+    t, src = _fit_data(m, p, np.float64, seed=3)
+    src[:, 0] = np.nan
+    src[3:, 1] = np.nan  # 3 rows for 4 coefficients
+    A = torch.from_numpy(np.vander(t, n, increasing=True))
+    r, c = linalg.lower_pairs(n)
+    pairs = (A[:, r] * A[:, c]).T.contiguous()
+    args = (linalg.PIVOT_TOL, linalg.REFINE_TOL, linalg.REFINE_STEPS, False)
+    x, good, ss, var, tss = kernel.fit(src, A, pairs, A, None, *args)
+    assert var is None and tss is None
+    assert not bool(good[0]) and not bool(good[1]) and bool(good[2:].all())
+    for j in range(2, p, 7):
+        ok = np.isfinite(src[:, j])
+        want = np.linalg.lstsq(A.numpy()[ok], src[ok, j], rcond=None)[0]
+        np.testing.assert_allclose(x[:, j].numpy(), want, rtol=1e-10, atol=1e-12)
+        r = src[ok, j] - A.numpy()[ok] @ want
+        assert float(ss[j]) == pytest.approx(float(r @ r), rel=1e-9)
+
+
+@needs_kernel
+def test_fused_fit_refuses_what_it_cannot_read() -> None:
+    A = torch.from_numpy(np.vander(np.linspace(-1, 1, 8), 3, increasing=True))
+    r, c = linalg.lower_pairs(3)
+    pairs = (A[:, r] * A[:, c]).T.contiguous()
+    args = (linalg.PIVOT_TOL, linalg.REFINE_TOL, 2, False)
+    good_src = np.ones((8, 5))
+    with pytest.raises(ValueError, match="rows must each be contiguous"):
+        kernel.fit(np.ones((5, 8)).T, A, pairs, A, None, *args)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        kernel.fit(np.ones((8, 5), dtype=np.int32), A, pairs, A, None, *args)
+    with pytest.raises(ValueError, match="contiguous float64"):
+        kernel.fit(good_src, A, pairs[:, :4], A, None, *args)
+    with pytest.raises(ValueError, match="contiguous float64"):
+        kernel.fit(good_src, A, pairs, A, torch.eye(2, dtype=torch.float64), *args)

@@ -218,25 +218,55 @@ def test_r2_is_uncentred_without_a_constant_in_the_span() -> None:
         np.testing.assert_allclose(out2["r2"][j], res.rsquared, rtol=1e-9)
 
 
+@pytest.mark.parametrize("path", ["fused", "apart"])
 def test_a_pixel_whose_rows_miss_the_constant_is_uncentred_under_unit_weights(
-    monkeypatch: pytest.MonkeyPatch,
+    path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The design spans the constant, so the moments skip the uncentred sum; a pixel whose
     solve still reports the constant outside its rows' span (an SVD fallback's numerical
-    test; simulated here) gets the uncentred R², not a division by a sum never made."""
-    from gridsolve.stages.solve import linalg
+    test; simulated here) gets the uncentred R², not a division by a sum never made.
 
-    real = linalg._solve_per_pixel
+    ``fused``: the compiled fit, every 7th pixel sent to the SVD fallback, which says
+    its rows miss the constant; ``apart``: the separate passes (eager), every 7th
+    pixel's span set off after the solve."""
+    from gridsolve.stages.solve import kernel, linalg
 
-    def some_off(*args: Any, **kw: Any) -> Any:
-        x, status, spread = real(*args, **kw)
-        if spread is not None:
-            spread.spans[::7] = False
-        return x, status, spread
+    if path == "fused":
+        if kernel.name() != "c":
+            pytest.skip("no C compiler here: the apart case covers the eager path")
+        real_fit, real_svd = kernel.fit, linalg._svd_solve
 
-    monkeypatch.setattr(linalg, "_solve_per_pixel", some_off)
-    B = cube(nan=0.2, seed=3)
-    out, paths = solve(POLY, B, uncertainty="stderr")
+        def fit_some_bad(*args: Any, **kw: Any) -> Any:
+            x, good, *rest = real_fit(*args, **kw)
+            good[::7] = False
+            return (x, good, *rest)
+
+        def svd_off(*args: Any, **kw: Any) -> Any:
+            x, spread = real_svd(*args, **kw)
+            if spread is not None:
+                spread.spans[:] = False
+            return x, spread
+
+        monkeypatch.setattr(kernel, "fit", fit_some_bad)
+        monkeypatch.setattr(linalg, "_svd_solve", svd_off)
+    else:
+        monkeypatch.setenv(kernel.ENV, "eager")
+        kernel._library.cache_clear()
+        real = linalg._solve_per_pixel
+
+        def some_off(*args: Any, **kw: Any) -> Any:
+            x, status, spread = real(*args, **kw)
+            if spread is not None:
+                spread.spans[::7] = False
+            return x, status, spread
+
+        monkeypatch.setattr(linalg, "_solve_per_pixel", some_off)
+    try:
+        B = cube(nan=0.2, seed=3)
+        out, paths = solve(POLY, B, uncertainty="stderr")
+    finally:
+        monkeypatch.delenv(kernel.ENV, raising=False)
+        kernel._library.cache_clear()
     assert paths["per_pixel"] > 100
     kinds = []
     for j in range(B.shape[1]):
