@@ -17,6 +17,11 @@ What they do (each replaces an eager function of :mod:`~gridsolve.stages.solve.l
   read of the batch's data instead of a product, a mask and a pairwise sum each
   (:func:`linalg.residual_moments`).
 
+* ``gs_fit``: all of the above for the usual case, unit weights (the data's missing
+  values) in the primal form without ridge (:func:`linalg.fit_unit`): each pixel's
+  data read once, its Gram matrix, factor, solve, refinement, residual sums and
+  variances in registers, instead of the separate passes over float64 copies of the
+  batch, which are bound by memory.
 * ``gs_step``: a refinement step's correction and convergence test (:func:`linalg._step`).
 * ``gs_load``, ``gs_statistics``, ``gs_gap_solve``: a batch's data as float64 (and its
   0/1 weights), the uncertainty's statistics straight into the outputs, and the
@@ -40,7 +45,7 @@ are MKL's, which round by the batch's width as the bound allows). The source bel
 is part of the solve stage's code digest: editing it invalidates cached solves.
 
 The library (x86-64 Linux only; elsewhere the eager path runs) is built on first use
-(about 3 s, once per machine and compiler) with the system's C compiler (``$CC``,
+(about 25 s, once per machine and compiler) with the system's C compiler (``$CC``,
 which may carry arguments, else ``cc``/``gcc``) into ``$GRIDSOLVE_KERNEL_DIR``
 (default ``~/.cache/gridsolve/kernels``; if that cannot be written, a folder of the
 temporary directory that only this user can write to), named by a digest of the
