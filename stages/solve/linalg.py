@@ -1103,6 +1103,10 @@ def fit_unit(
     ``n_valid`` rows. The pixels that fall back read their data again.
     """
     obs, coef = A.shape
+    A = A.contiguous()
+    if src.ndim == 2 and src.shape[1] > 1 and src.strides[1] != src.itemsize:
+        # a gathered batch (numpy's fancy indexing lays its columns out one by one)
+        src = np.ascontiguousarray(src)
     if (
         pol.policy == "ridge"
         or (pol.policy != "cholesky" and coef > obs)
@@ -1120,7 +1124,7 @@ def fit_unit(
     Rinv = None if setup.Rinv is None else setup.Rinv.contiguous()
     basis = setup.basis.contiguous()
     x, good, ss, var, tss = kernel.fit(
-        src, basis, setup.pairs, A.contiguous(), Rinv, PIVOT_TOL, REFINE_TOL, REFINE_STEPS, spread
+        src, basis, setup.pairs, A, Rinv, PIVOT_TOL, REFINE_TOL, REFINE_STEPS, spread
     )
     # as _solve_per_pixel: too few rows for the coefficients go to the SVD path
     good &= n_valid >= coef
@@ -1150,10 +1154,12 @@ def fit_unit(
         again |= ~((t >= small) & (t <= fi.max))
     if active is not None:  # the others are dropped
         again &= active
-    for t in sums:
-        # numpy's: torch's sqrt wakes its thread pool, which then spins on the cores
-        # the kernel's next batch runs on (the masked benchmark: 40 → 60 ms a solve)
-        np.sqrt(np.divide(t.numpy(), n_valid.numpy(), out=t.numpy()), out=t.numpy())
+    # numpy's: torch's sqrt wakes its thread pool, which then spins on the cores the
+    # kernel's next batch runs on (the masked benchmark: 40 → 60 ms a solve); quiet
+    # about pixels without valid rows (0 / 0: inactive, dropped), as torch is
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for t in sums:
+            np.sqrt(np.divide(t.numpy(), n_valid.numpy(), out=t.numpy()), out=t.numpy())
     redo = torch.nonzero(again).flatten()
     if redo.numel():
         B0c, Wc = columns(redo)
