@@ -1219,7 +1219,13 @@ def gap_solve(
 
 def _rows(a: np.ndarray, dtype: type) -> int:
     """The row stride, in elements, of a 2-D array whose rows are contiguous."""
-    if a.dtype != dtype or a.ndim != 2 or a.strides[1] != a.itemsize or a.strides[0] < 0:
+    if (
+        a.dtype != dtype
+        or a.ndim != 2
+        or not _rows_contiguous(a)
+        or a.strides[0] < 0
+        or (a.shape[0] > 1 and a.strides[0] == 0)
+    ):
         raise ValueError(f"expected a 2-D {np.dtype(dtype)} array with contiguous rows")
     return a.strides[0] // a.itemsize
 

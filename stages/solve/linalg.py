@@ -996,6 +996,8 @@ def _solve_per_pixel(
     n_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Spread | None]:
     obs, coef = A.shape
+    if pol.policy == "minnorm" and pol.rcond is not None:
+        return _svd_every_pixel(A, B0, Wp, pol, svd_chunk, active, full)
     lam = pol.ridge if pol.policy == "ridge" else 0.0
     use_dual = pol.policy != "cholesky" and coef > obs
     # only ridge's dual needs 0/1 weights to solve by gaps; unit: the caller knows they are
@@ -1036,6 +1038,35 @@ def _solve_per_pixel(
                 spread.spans[sel] = _svd_spans(A, Wp[:, sel], pol)
     status = _settle(
         A, pol, svd_chunk, active, good, x, spread, full, lambda c: (B0[:, c], Wp[:, c])
+    )
+    return x, status, spread
+
+
+def _svd_every_pixel(
+    A: torch.Tensor,
+    B0: torch.Tensor,
+    Wp: torch.Tensor,
+    pol: Policy,
+    svd_chunk: int,
+    active: torch.Tensor | None,
+    full: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor, Spread | None]:
+    """:func:`_solve_per_pixel` by the SVD of every pixel's rows (an explicit ``rcond``).
+
+    The cutoff is on each pixel's own singular values, which the normal equations
+    never see: without this, a pixel with gaps got the untruncated fit where lstsq
+    truncates (and a pixel of the shared path did not).
+    """
+    coef, p = A.shape[1], B0.shape[1]
+    x = torch.zeros((coef, p), dtype=B0.dtype, device=B0.device)
+    spread = None
+    if full is not None:
+        nan = torch.full((coef, p), torch.nan, dtype=B0.dtype, device=B0.device)
+        cov = nan[:, None, :].repeat(1, coef, 1) if full else None
+        spread = Spread(nan, nan[0].clone(), cov, _true(p, B0.device))
+    none = torch.zeros(p, dtype=torch.bool, device=B0.device)
+    status = _settle(
+        A, pol, svd_chunk, active, none, x, spread, full, lambda c: (B0[:, c], Wp[:, c])
     )
     return x, status, spread
 
@@ -1109,6 +1140,7 @@ def fit_unit(
         src = np.ascontiguousarray(src)
     if (
         pol.policy == "ridge"
+        or (pol.policy == "minnorm" and pol.rcond is not None)  # every pixel by SVD
         or (pol.policy != "cholesky" and coef > obs)
         or not 1 <= coef <= kernel.MAX_ORDER
         or src.dtype not in (np.float32, np.float64)

@@ -513,3 +513,70 @@ def test_written_with_cf_attributes_and_tiles_agree(
     assert (ds["dof"].values == ds["n_valid"].values - 4).all()
     arrays = [{k: d[k].values for k in new} for d in results]
     assert not disagreements(arrays[1], arrays[0])
+
+
+@pytest.mark.parametrize("path", ["c", "eager"])
+@pytest.mark.parametrize("case", ["one gappy pixel", "chunk_pixels 1"])
+def test_stderr_of_single_pixel_batches(
+    path: str, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of one pixel (one gappy pixel in a tile, or ``chunk_pixels: 1``): its
+    (coef, 1) arrays, whose column stride numpy leaves arbitrary, went to the statistics
+    kernel and were refused ("expected a 2-D float64 array with contiguous rows")."""
+    from gridsolve.stages.solve import kernel
+
+    if path == "c" and kernel.name() != "c":
+        pytest.skip("no C compiler here: the eager case covers the path")
+    monkeypatch.setenv(kernel.ENV, path)
+    kernel._library.cache_clear()
+    try:
+        B = cube(nan=0.0, seed=11)
+        if case == "one gappy pixel":
+            B[3, 5] = np.nan
+            out, paths = solve(POLY, B, uncertainty="stderr")
+            assert paths["per_pixel"] == 1
+        else:
+            B = cube(nan=0.2, seed=11)
+            out, paths = solve(POLY, B, uncertainty="stderr", chunk_pixels=1)
+            assert paths["per_pixel"] > 10
+    finally:
+        monkeypatch.delenv(kernel.ENV)
+        kernel._library.cache_clear()
+    for j in range(B.shape[1]):
+        ok = np.isfinite(B[:, j])
+        res = wls(POLY[ok], B[ok, j])
+        np.testing.assert_allclose(out["coefficients"][:, j], res.params, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(out["coef_stderr"][:, j], res.bse, rtol=1e-8)
+
+
+@pytest.mark.parametrize("path", ["c", "eager"])
+@pytest.mark.parametrize("uncertainty", ["none", "stderr"])
+def test_rcond_cuts_every_pixel_as_lstsq_does(
+    path: str, uncertainty: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rcond`` is a cutoff on each pixel's own singular values: pixels with gaps (the
+    per-pixel path) are truncated like those of the shared path and like lstsq's, not
+    solved in full by their normal equations."""
+    from gridsolve.stages.solve import kernel
+
+    if path == "c" and kernel.name() != "c":
+        pytest.skip("no C compiler here: the eager case covers the path")
+    rng = np.random.default_rng(5)
+    t = np.linspace(0, 1, 20)
+    A = np.stack([np.ones_like(t), t, t + 1e-2 * rng.standard_normal(20), t**2], axis=1)
+    B = A @ rng.standard_normal((4, 60)) + 0.1 * rng.standard_normal((20, 60))
+    B[rng.random(B.shape) < 0.15] = np.nan
+    B[:, :5] = A @ rng.standard_normal((4, 5))  # gap-free: the shared path
+    monkeypatch.setenv(kernel.ENV, path)
+    kernel._library.cache_clear()
+    try:
+        out, paths = solve(A, B, uncertainty=uncertainty, rcond=0.2)
+    finally:
+        monkeypatch.delenv(kernel.ENV)
+        kernel._library.cache_clear()
+    assert paths["per_pixel"] > 40
+    assert (out["status"] == STATUS_CODES["ok"]).all()
+    for j in range(B.shape[1]):
+        ok = np.isfinite(B[:, j])
+        want = np.linalg.lstsq(A[ok], B[ok, j], rcond=0.2)[0]
+        np.testing.assert_allclose(out["coefficients"][:, j], want, rtol=1e-9, atol=1e-12)
