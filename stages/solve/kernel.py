@@ -643,15 +643,16 @@ AIT void fsolve_SFX(const long n, const vd *L, vd *h)
 /* The whole per-pixel primal fit of VL pixels whose weights are their 0/1 masks
    (linalg.fit_unit), with every intermediate in registers or the L1 cache: the
    data's m rows bv (0 where invalid) and masks wv, VL apart; Q (m x n) the design's
-   orthonormal basis, pairs its packed Gram rows (np x m), A (m x n) the design, Rinv
-   (n x n, NULL: Q is A). Out: the coefficients x (rows xs apart), good (1.0: every
-   pivot passed and the refinement converged), ss the sum of squared residuals
-   r = b - A x over valid rows and, with want, var = diag(Z^T Z), Z = L^-1 Rinv^T,
-   and tss the sum of squares about the mean. Each step's arithmetic is that of the
-   separate kernels (gs_cholesky, gs_step, gs_moments with full 2, spread_SFX);
-   G, Q^T b and the refinement's residuals are summed in row order. */
+   orthonormal basis, pairs its packed Gram rows (np x m), A (m x n) the design, T
+   = R^-T (n x n lower triangular, row-major; NULL: Q is A). Out: the coefficients
+   x = T^T x_Q (rows xs apart), good (1.0: every pivot passed and the refinement
+   converged), ss the sum of squared residuals r = b - A x over valid rows and, with
+   want, var = diag(Z^T Z), Z = L^-1 T, and tss the sum of squares about the mean.
+   Each step's arithmetic is that of the separate kernels (gs_cholesky, gs_step; the
+   sums and the spread are moments_SFX and spread_SFX themselves); G, Q^T b and the
+   refinement's residuals are summed in row order. */
 AIT void fit_SFX(const long n, long m, const double *restrict bv, const double *restrict wv,
-                 const double *Q, const double *pairs, const double *A, const double *Rinv,
+                 const double *Q, const double *pairs, const double *A, const double *T,
                  double tol, double rtol, long steps, long want, double *xo, long xs,
                  double *go, double *sso, double *varo, double *tsso)
 {
@@ -724,10 +725,10 @@ AIT void fit_SFX(const long n, long m, const double *restrict bv, const double *
         vi now = act & ok & (xm <= dmax) & (dm <= rtol * xm);
         conv |= now;
     }
-    if (Rinv) {
+    if (T) {
         for (long i = 0; i < n; ++i) {
             vd acc = zero;
-            for (long k = 0; k < n; ++k) acc += Rinv[i * n + k] * x[k];
+            for (long k = 0; k < n; ++k) acc += T[k * n + i] * x[k];
             xf[i] = acc;
         }
     } else {
@@ -735,44 +736,14 @@ AIT void fit_SFX(const long n, long m, const double *restrict bv, const double *
     }
     for (long k = 0; k < n; ++k) st_SFX(xo + k * xs, xf[k]);
     st_SFX(go, sel_SFX(ok & conv, one, zero));
-    /* gs_moments (full 0 or 2) on the final coefficients */
-    vd ss = zero, sw = zero, swb = zero;
-    for (long t = 0; t < m; ++t) {
-        vd b = ld_SFX(bv + t * VL), w = ld_SFX(wv + t * VL);
-        vd r = b;
-        for (long k = 0; k < n; ++k) r -= A[t * n + k] * xf[k];
-        vi v = w > 0.0;
-        ss += sel_SFX(v, r * r, zero);
-        sw += w;
-        swb += sel_SFX(v, w * b, zero);
-    }
-    st_SFX(sso, ss);
+    /* the residual sums on the final coefficients, and the spread: the separate
+       kernels' own code, on this block's data and factor */
+    vd out[4];
+    moments_SFX(n, m, A, bv, wv, VL, xo, xs, want ? 2 : 0, out);
+    st_SFX(sso, out[0]);
     if (!want) return;
-    vd mean = swb / sw, tss = zero;
-    for (long t = 0; t < m; ++t) {
-        vd w = ld_SFX(wv + t * VL), d = ld_SFX(bv + t * VL) - mean;
-        tss += sel_SFX(w > 0.0, w * (d * d), zero);
-    }
-    st_SFX(tsso, tss);
-    /* spread_SFX with T = Rinv^T */
-    vd inv[NMAX], acc[NMAX], z[NMAX][NMAX];
-    for (long i = 0; i < n; ++i) {
-        inv[i] = one / L[at(i, i, n)];
-        acc[i] = zero;
-        for (long k = 0; k <= i; ++k) z[i][k] = zero + (Rinv ? Rinv[k * n + i] : (double)(i == k));
-    }
-    for (long j = 0; j < n; ++j) {
-        for (long k = 0; k <= j; ++k) {
-            vd zj = z[j][k] * inv[j];
-            acc[k] += zj * zj;
-            z[j][k] = zj;
-        }
-        for (long i = j + 1; i < n; ++i) {
-            vd l = L[at(i, j, n)];
-            for (long k = 0; k <= j; ++k) z[i][k] -= l * z[j][k];
-        }
-    }
-    for (long k = 0; k < n; ++k) st_SFX(varo + k * xs, acc[k]);
+    st_SFX(tsso, out[2]);
+    spread_SFX(n, (const double *)L, VL, T, varo, xs);
 }
 
 /* fit_SFX over pixels [p0, p1) of the data src (m rows, `stride` elements apart,
@@ -780,7 +751,7 @@ AIT void fit_SFX(const long n, long m, const double *restrict bv, const double *
    weight 0) into scratch, then fitted. Returns -1 when out of memory. */
 static TGT int fit_all_SFX(long n, long m, long P, const void *src, long stride, long f64,
                            const double *Q, const double *pairs, const double *A,
-                           const double *Rinv, double tol, double rtol, long steps, long want,
+                           const double *T, double tol, double rtol, long steps, long want,
                            double *x, unsigned char *good, double *ss, double *var, double *tss,
                            long p0, long p1)
 {
@@ -816,13 +787,10 @@ static TGT int fit_all_SFX(long n, long m, long P, const void *src, long stride,
         }
         double g[VL];
         if (w == VL) {
-#define FIT_SFX(K) fit_SFX(K, m, bv, wv, Q, pairs, A, Rinv, tol, rtol, steps, want, x + b0, P, \
-                           g, ss + b0, want ? var + b0 : NULL, want ? tss + b0 : NULL)
-            FIT_SFX(n);
+            fit_SFX(n, m, bv, wv, Q, pairs, A, T, tol, rtol, steps, want, x + b0, P, g, ss + b0,
+                    want ? var + b0 : NULL, want ? tss + b0 : NULL);
         } else {
-#define FIT_TAIL_SFX(K) fit_SFX(K, m, bv, wv, Q, pairs, A, Rinv, tol, rtol, steps, want, qx, \
-                                VL, g, qs, qv, qt)
-            FIT_TAIL_SFX(n);
+            fit_SFX(n, m, bv, wv, Q, pairs, A, T, tol, rtol, steps, want, qx, VL, g, qs, qv, qt);
             for (long l = 0; l < w; ++l) {
                 for (long k = 0; k < n; ++k) {
                     x[k * P + b0 + l] = qx[k * VL + l];
@@ -896,19 +864,19 @@ int gs_moments(long n, long m, long P, const double *A, const double *B0, const 
 /* The fused primal fit (fit_SFX) of pixels [p0, p1): see fit_all. Returns -1 when
    n > 16 or out of memory. */
 int gs_fit(long n, long m, long P, const void *src, long stride, long f64, const double *Q,
-           const double *pairs, const double *A, const double *Rinv, double tol, double rtol,
+           const double *pairs, const double *A, const double *T, double tol, double rtol,
            long steps, long want, double *x, unsigned char *good, double *ss, double *var,
            double *tss, long p0, long p1)
 {
     if (n < 1 || n > NMAX) return -1;
     int isa = gs_isa();
     if (isa >= 3)
-        return fit_all_avx512(n, m, P, src, stride, f64, Q, pairs, A, Rinv, tol, rtol, steps,
+        return fit_all_avx512(n, m, P, src, stride, f64, Q, pairs, A, T, tol, rtol, steps,
                               want, x, good, ss, var, tss, p0, p1);
     if (isa == 2)
-        return fit_all_avx2(n, m, P, src, stride, f64, Q, pairs, A, Rinv, tol, rtol, steps,
+        return fit_all_avx2(n, m, P, src, stride, f64, Q, pairs, A, T, tol, rtol, steps,
                             want, x, good, ss, var, tss, p0, p1);
-    return fit_all_sse2(n, m, P, src, stride, f64, Q, pairs, A, Rinv, tol, rtol, steps, want,
+    return fit_all_sse2(n, m, P, src, stride, f64, Q, pairs, A, T, tol, rtol, steps, want,
                         x, good, ss, var, tss, p0, p1);
 }
 """
@@ -1222,7 +1190,7 @@ def _rows(a: np.ndarray, dtype: type) -> int:
     if (
         a.dtype != dtype
         or a.ndim != 2
-        or not _rows_contiguous(a)
+        or not rows_contiguous(a)
         or a.strides[0] < 0
         or (a.shape[0] > 1 and a.strides[0] == 0)
     ):
@@ -1320,7 +1288,7 @@ def spread(
     return var, Z
 
 
-def _rows_contiguous(a: np.ndarray) -> bool:
+def rows_contiguous(a: np.ndarray) -> bool:
     """Each row's elements adjacent (one column: whatever numpy says its stride is)."""
     return a.shape[1] == 1 or a.strides[1] == a.itemsize
 
@@ -1334,7 +1302,7 @@ def load(src: np.ndarray, finite: bool = False) -> tuple[torch.Tensor, torch.Ten
     lib = _library()
     fn = {np.dtype(np.float32): "gs_load_f32", np.dtype(np.float64): "gs_load_f64"}
     name = fn.get(src.dtype)
-    if lib is None or name is None or src.ndim != 2 or not _rows_contiguous(src):
+    if lib is None or name is None or src.ndim != 2 or not rows_contiguous(src):
         return None
     if src.strides[0] % src.itemsize:
         return None
@@ -1403,7 +1371,7 @@ def fit(
     n = A.shape[1]
     if src.dtype not in (np.float32, np.float64) or src.ndim != 2 or p == 0:
         raise ValueError("fit: src must be a non-empty 2-D float32 or float64 array")
-    if not _rows_contiguous(src) or src.strides[0] % src.itemsize or src.strides[0] < 0:
+    if not rows_contiguous(src) or src.strides[0] % src.itemsize or src.strides[0] < 0:
         raise ValueError("fit: src's rows must each be contiguous")
     mats = [Q, pairs, A] + ([] if Rinv is None else [Rinv])
     shapes = [(m, n), (n * (n + 1) // 2, m), (m, n)] + ([] if Rinv is None else [(n, n)])
@@ -1411,6 +1379,7 @@ def fit(
         t.shape != s or not usable(t) for t, s in zip(mats, shapes, strict=True)
     ):
         raise ValueError("fit: Q, A (m, n ≤ 16), pairs and Rinv contiguous float64 on the CPU")
+    T = None if Rinv is None else Rinv.T.contiguous()  # the kernels' spread takes R⁻ᵀ
     x = torch.empty((n, p), dtype=torch.float64)
     good = torch.empty(p, dtype=torch.bool)
     ss = torch.empty(p, dtype=torch.float64)
@@ -1426,7 +1395,7 @@ def fit(
         Q.data_ptr(),
         pairs.data_ptr(),
         A.data_ptr(),
-        None if Rinv is None else Rinv.data_ptr(),
+        None if T is None else T.data_ptr(),
         tol,
         refine_tol,
         steps,

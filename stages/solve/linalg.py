@@ -1135,7 +1135,7 @@ def fit_unit(
     """
     obs, coef = A.shape
     A = A.contiguous()
-    if src.ndim == 2 and src.shape[1] > 1 and src.strides[1] != src.itemsize:
+    if src.ndim == 2 and not kernel.rows_contiguous(src):
         # a gathered batch (numpy's fancy indexing lays its columns out one by one)
         src = np.ascontiguousarray(src)
     if (
@@ -1146,7 +1146,6 @@ def fit_unit(
         or src.dtype not in (np.float32, np.float64)
         or src.ndim != 2
         or src.shape[1] == 0
-        or not (src.shape[1] == 1 or src.strides[1] == src.itemsize)
         or src.strides[0] % src.itemsize
         or src.strides[0] < 0
         or not kernel.usable(A, n_valid)
