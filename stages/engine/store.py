@@ -43,6 +43,7 @@ from gridsolve.stages.engine.paths import (
     owner_is_dead,
     writer_tag,
 )
+from gridsolve.stages.engine.pyparse import load_npy
 
 log = logging.getLogger("gridsolve.store")
 
@@ -85,8 +86,7 @@ class Artifact:
         """One stored array (read-only memory map)."""
         if name not in self._files:
             raise KeyError(f"artifact {self.key} has no array {name!r}; it has {self.names}")
-        arr = np.load(self.path / self._files[name]["file"], mmap_mode="r", allow_pickle=False)
-        return np.asarray(arr)
+        return load_npy(self.path / self._files[name]["file"])
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every stored array."""

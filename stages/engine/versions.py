@@ -45,6 +45,7 @@ from typing import Any
 import xxhash
 
 from gridsolve.stages.engine.hashing import canonical_json, hash_text
+from gridsolve.stages.engine.pyparse import PARSE_LOCK
 
 #: Distributions whose version can change the numbers (or bytes) gridsolve
 #: produces. h5py: the NetCDF writer stores its compressed chunks through it
@@ -232,7 +233,8 @@ def _parse(path: str, package: str) -> _Parsed:
             _PARSED[memo] = _Parsed(digest=known[0], imports=tuple(known[1]))
             return _PARSED[memo]
     try:
-        tree = ast.parse(source, filename=path)
+        with PARSE_LOCK:
+            tree = ast.parse(source, filename=path)
     except (SyntaxError, ValueError):
         parsed = _Parsed(digest=hash_text(source.decode("utf-8", "replace")), imports=())
     else:

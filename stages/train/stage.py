@@ -43,6 +43,7 @@ from gridsolve.schemas.kinds.train import GradientTrain
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, work_share
 from gridsolve.stages.engine.hashing import hash_text
+from gridsolve.stages.engine.pyparse import PARSE_LOCK, load_npy
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
 from gridsolve.stages.load.contract import grid_shape
 from gridsolve.stages.model import vmapped
@@ -60,7 +61,8 @@ class _Streamed:
     """One .npy file of rows read with ``pread``: nothing of it stays in the process."""
 
     def __init__(self, path: Path) -> None:
-        header = np.load(path, mmap_mode="r")
+        with PARSE_LOCK:  # np.load parses the header with ast
+            header = np.load(path, mmap_mode="r", allow_pickle=False)
         self._width, self._dtype, self._offset = header.shape[1], header.dtype, header.offset
         del header
         self._row_bytes = self._width * self._dtype.itemsize
@@ -131,7 +133,7 @@ class Rows:
         """
         size = self.x_path.stat().st_size + self.y_path.stat().st_size
         if size <= self.budget:
-            x_all, y_all = np.load(self.x_path), np.load(self.y_path)
+            x_all, y_all = load_npy(self.x_path, mmap=False), load_npy(self.y_path, mmap=False)
             return lambda at: (np.ascontiguousarray(x_all[at]), np.ascontiguousarray(y_all[at]))
         x, y = _Streamed(self.x_path), _Streamed(self.y_path)
         return lambda at: (x.read(at), y.read(at))

@@ -6,12 +6,18 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import sys
+import threading
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from gridsolve.schemas.errors import StoreError
+from gridsolve.stages.engine import versions
+from gridsolve.stages.engine.pyparse import PARSE_LOCK
 from gridsolve.stages.engine.store import StageOutput, Store
 
 KEY = "0123456789abcdef0123456789abcdef"
@@ -103,3 +109,38 @@ def test_unwritable_root_is_a_clear_error(tmp_path: Path) -> None:
         (tmp_path / "ro").mkdir(mode=0o500)
     with pytest.raises(StoreError, match="cache"):
         Store(target)
+
+
+def _waits_for_the_parse_lock(fn: Callable[[], object]) -> object:
+    """``fn()`` run in a thread while this thread holds the parse lock: it must wait for it."""
+    done: list[object] = []
+    with PARSE_LOCK:
+        worker = threading.Thread(target=lambda: done.append(fn()))
+        worker.start()
+        worker.join(0.3)
+        assert worker.is_alive() and not done, "parsed while another thread held the parse lock"
+    worker.join(10)
+    assert len(done) == 1
+    return done[0]
+
+
+def test_reading_an_array_waits_for_other_threads_parses(store: Store) -> None:
+    # CPython 3.11's ast constructor is not thread-safe (gh-106905) and np.load parses
+    # each header with ast: the write stage's threads once failed with
+    # "AST constructor recursion depth mismatch".
+    art = store.put(KEY, _out(), {"kind": "t"})
+    got = _waits_for_the_parse_lock(lambda: art.array("a"))
+    np.testing.assert_array_equal(np.asarray(got), np.arange(6.0).reshape(2, 3))
+
+
+def test_parsing_source_for_code_versions_waits_for_other_threads_parses(tmp_path: Path) -> None:
+    pkg = tmp_path / f"gs_lock_{uuid.uuid4().hex[:8]}"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "m.py").write_text(f"X = {uuid.uuid4().int}\n")  # never parsed before, anywhere
+    sys.path.insert(0, str(tmp_path))
+    try:
+        got = _waits_for_the_parse_lock(lambda: versions.code_digest([f"{pkg.name}.m"]))
+        assert isinstance(got, str) and len(got) == 32
+    finally:
+        sys.path.remove(str(tmp_path))
