@@ -132,6 +132,12 @@ class SharedOperator:
         )
 
 
+def _native(a: np.ndarray) -> np.ndarray:
+    """``a`` in this machine's byte order (torch and the kernels read no other); else as is."""
+    a = np.asarray(a)
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
+
+
 def make_operator(
     A: np.ndarray,
     sqrtw: np.ndarray,
@@ -144,6 +150,7 @@ def make_operator(
     ``data_max``, the largest |value| of the whole cube when known, spares the
     tiles a pass over their data to look for values near the dtype's limits.
     """
+    A, sqrtw = _native(A), _native(sqrtw)
     n_obs, coef = A.shape
     _refuse_zero_weights(sqrtw)
     op = linalg.svd_operator(A * sqrtw[:, None], policy_of(config), svd=svd)
@@ -401,6 +408,9 @@ def solve_block(
     whose results do not fit ``config.dtype`` is refused (NumericalError),
     named by ``where`` (pixel index → text).
     """
+    B = _native(B)
+    own_weights = None if own_weights is None else _native(own_weights)
+    gap_patterns = None if gap_patterns is None else _native(gap_patterns)
     # A result beyond the dtype's range becomes inf when stored: refused below.
     with np.errstate(over="ignore"):
         out = _solve_block(B, op, config, own_weights, memory_budget, gap_patterns)

@@ -513,6 +513,37 @@ def test_solve_block_without_the_cube_maximum_scans_each_block() -> None:
         solve_block((B / np.float32(1e18)).astype(np.float32), tiny, config)
 
 
+@pytest.mark.parametrize("uncertainty", ["none", "stderr"])
+def test_arrays_in_the_other_byte_order_give_the_same_results(uncertainty: str) -> None:
+    # NetCDF-3 files and some archives hold big-endian arrays; torch reads no such array.
+    from gridsolve.stages.solve.lstsq import make_operator, solve_block
+
+    A = np.vander(np.linspace(-1, 1, 20), 4, increasing=True)
+    B = make_ds(n_obs=20, ny=5, nx=6)["signal"].values.reshape(20, -1)
+    B[3, :7] = np.nan
+    w = np.linspace(0.5, 1.5, B.size).reshape(B.shape)
+    config = LstsqSolve(uncertainty=uncertainty)
+
+    def swapped(a: np.ndarray) -> np.ndarray:
+        return a.astype(a.dtype.newbyteorder())
+
+    results = []
+    for own in (None, w):
+        native = solve_block(B, make_operator(A, np.ones(20), config), config, own)
+        other = solve_block(
+            swapped(B),
+            make_operator(swapped(A), swapped(np.ones(20)), config),
+            config,
+            None if own is None else swapped(own),
+        )
+        assert native.arrays.keys() == other.arrays.keys()
+        for k, v in native.arrays.items():
+            np.testing.assert_array_equal(other.arrays[k], v, err_msg=k)
+        results.append(native.arrays["coefficients"])
+    ref = np.linalg.lstsq(A, B[:, 7:], rcond=None)[0]
+    assert rel_err(results[0][:, 7:], ref) < 1e-5
+
+
 @pytest.mark.parametrize("policy", ["minnorm", "cholesky"])
 def test_min_valid_above_the_observations_gives_the_same_status_in_every_tile(
     policy: str,
