@@ -1025,34 +1025,61 @@ def _solve_batch(
             done = _Solved(x, px_status, sp, r_t, r_t, tr_t)
     if done is None:
         done = _solve_batch_apart(blk, systems, sel, act, n_v, valid_rows)
-    x, px_status, sp, r_t = done.x, done.status, done.spread, done.rms
-    r = r_t.cpu().numpy()
-    xs, sts = x.cpu().numpy(), px_status.cpu().numpy()
-    on: slice | np.ndarray
-    pick: slice | np.ndarray
-    if isinstance(sel, slice) and active.all():  # no gathers: most batches of a cloudy tile
-        on, pick = sel, slice(None)
-    else:
-        on = (np.flatnonzero(active) + sel.start) if isinstance(sel, slice) else sel
-        pick = active
-    # Solved in float64: a coefficient beyond the stored dtype is inf once stored,
-    # and so is its pixel's residual RMS (checked here, on the batch, while it is hot).
-    stored = xs[:, pick].astype(g.C.dtype, copy=False)
-    rms = np.where(np.isfinite(stored).all(axis=0), r[pick], np.inf)
-    g.C[:, on], g.rms[on], blk.status[on] = stored, rms, sts[pick]
+    xs, sts, r, sp = (
+        done.x.cpu().numpy(),
+        done.status.cpu().numpy(),
+        done.rms.cpu().numpy(),
+        done.spread,
+    )
+    wrms = None if done.wrms is None else done.wrms.cpu().numpy()
+    trms = None if done.trms is None else done.trms.cpu().numpy()
+    var = edf = cov = None
     if mom is not None and sp is not None:
-        assert done.wrms is not None and done.trms is not None
-        mom.put(
-            on,
-            g.C[:, on],
-            g.n_valid[on],
-            blk.status[on],
-            done.wrms.cpu().numpy()[pick],
-            done.trms.cpu().numpy()[pick],
-            sp.var.cpu().numpy()[:, pick],
-            sp.edf.cpu().numpy()[pick],
-            None if sp.cov is None else sp.cov.cpu().numpy()[:, :, pick],
-        )
+        var, edf = sp.var.cpu().numpy(), sp.edf.cpu().numpy()
+        cov = None if sp.cov is None else sp.cov.cpu().numpy()
+    for on, pick in _stretches(sel, active):
+        # Solved in float64: a coefficient beyond the stored dtype is inf once stored,
+        # and so is its pixel's residual RMS (checked here, on the batch, while it is hot).
+        stored = xs[:, pick].astype(g.C.dtype, copy=False)
+        rms = np.where(np.isfinite(stored).all(axis=0), r[pick], np.inf)
+        g.C[:, on], g.rms[on], blk.status[on] = stored, rms, sts[pick]
+        if mom is not None and var is not None and edf is not None:
+            assert wrms is not None and trms is not None
+            mom.put(
+                on,
+                g.C[:, on],
+                g.n_valid[on],
+                blk.status[on],
+                wrms[pick],
+                trms[pick],
+                var[:, pick],
+                edf[pick],
+                None if cov is None else cov[:, :, pick],
+            )
+
+
+#: Most stretches of solved pixels a batch is stored in before it is scattered instead.
+_MAX_STRETCHES = 16
+
+
+def _stretches(
+    sel: slice | np.ndarray, active: np.ndarray
+) -> list[tuple[slice | np.ndarray, slice | np.ndarray]]:
+    """Where the ``active`` pixels of batch ``sel`` go, and where they are in the batch.
+
+    Runs of consecutive pixels as slices when there are few (a cloudy tile's batch
+    misses only the odd pixel another path took): views, where an index would
+    gather and scatter every column; else one index of them all.
+    """
+    if isinstance(sel, slice):
+        edges = np.flatnonzero(np.diff(active.astype(np.int8), prepend=0, append=0))
+        if len(edges) <= 2 * _MAX_STRETCHES:
+            return [
+                (slice(sel.start + a, sel.start + b), slice(a, b))
+                for a, b in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True)
+            ]
+        return [(np.flatnonzero(active) + sel.start, active)]
+    return [(sel, active)]
 
 
 @dataclass(frozen=True)

@@ -580,3 +580,27 @@ def test_rcond_cuts_every_pixel_as_lstsq_does(
         ok = np.isfinite(B[:, j])
         want = np.linalg.lstsq(A[ok], B[ok, j], rcond=0.2)[0]
         np.testing.assert_allclose(out["coefficients"][:, j], want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("clear", [[5, 6, 70, 199], list(range(0, 200, 3))])
+def test_clear_pixels_among_cloudy_ones_keep_every_pixel_its_own_results(
+    dtype: str, clear: list[int]
+) -> None:
+    # A cloudy tile's per-pixel batches skip the few gap-free pixels the shared path
+    # solves: stored as stretches of columns between them (few) or by an index (many).
+    B = cube(px=200, nan=0.2, seed=5)
+    B[:, clear] = cube(px=len(clear), seed=6)
+    config = LstsqSolve(dtype=dtype, uncertainty="stderr", chunk_pixels=64)
+    out = solve_block(B, make_operator(POLY, np.ones(30), config), config)
+    a, paths = out.arrays, out.meta["paths"]
+    assert paths["shared"] == len(clear) and paths["per_pixel"] == 200 - len(clear)
+    rtol = 1e-9 if dtype == "float64" else 1e-5
+    for j in range(B.shape[1]):
+        res = wls(POLY, B[:, j])
+        for name, ref in [("coefficients", res.params), ("coef_stderr", res.bse)]:
+            close(a[name][:, j], ref, rtol)  # float32: to the largest one's precision
+        close(a["t_value"][:, j], res.tvalues, rtol)
+        np.testing.assert_allclose(a["r2"][j], res.rsquared, atol=rtol, err_msg=f"{j}")
+        assert a["dof"][j] == res.df_resid and a["uncertainty_flags"][j] == 0
+        assert a["n_valid"][j] == np.isfinite(B[:, j]).sum()
