@@ -300,12 +300,12 @@ GS_API void gs_gap_solve(long k, long np, const double *L, const int64_t *rows, 
    R² and flags. A pixel is solved when its status is one of ok[0..2] and its
    coefficients are finite. dof = n − edf, rounded to an integer within 1e-6 unless
    ridge or the pixel fell back to ridge (status fell); sigma = wrms √(n/dof) (scaled)
-   or 1; stderr = √var · sigma; t = C / stderr; R² = 1 − (wrms/trms)²; flags: 1 a
+   or 1; stderr = √var · sigma; R² = 1 − (wrms/trms)²; flags: 1 a
    coefficient not identifiable (NaN var), 2 no dof, 4 not solved. */
 GS_API void gs_statistics(long coef, const double *C, long cs, const signed char *status,
                           const int *n_valid, const double *wrms, const double *trms,
                           const double *var, long vs, const double *edf, long ridge, long scaled,
-                          const signed char *okc, signed char fell, double *se, double *t, long os,
+                          const signed char *okc, signed char fell, double *se, long os,
                           double *dof_out, double *r2, signed char *flags, long p0, long p1)
 {
     for (long b0 = p0; b0 < p1; b0 += BW) {
@@ -350,13 +350,9 @@ GS_API void gs_statistics(long coef, const double *C, long cs, const signed char
         for (long p = 0; p < w; ++p)
             flags[b0 + p] = (signed char)(sol[p] > 0.5 ? (nan[p] > 0.5) + 2 * !(dofs[p] > 0) : 4);
         for (long k = 0; k < coef; ++k) {
-            const double *restrict c = C + k * cs + b0, *restrict v = var + k * vs + b0;
-            double *restrict e = se + k * os + b0, *restrict tk = t + k * os + b0;
-            for (long p = 0; p < w; ++p) {
-                double x = sqrt(v[p]) * sig[p];
-                e[p] = x;
-                tk[p] = c[p] / x;
-            }
+            const double *restrict v = var + k * vs + b0;
+            double *restrict e = se + k * os + b0;
+            for (long p = 0; p < w; ++p) e[p] = sqrt(v[p]) * sig[p];
         }
     }
 }
@@ -990,7 +986,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gs_spread.argtypes = [L, L, V, V, V, V, L, L]
     lib.gs_spread.restype = ctypes.c_int
     lib.gs_statistics.argtypes = [L, V, L, V, V, V, V, V, L, V, L, L, V, ctypes.c_byte]
-    lib.gs_statistics.argtypes += [V, V, L, V, V, V, L, L]
+    lib.gs_statistics.argtypes += [V, L, V, V, V, L, L]
     lib.gs_statistics.restype = None
     for fn in (lib.gs_load_f32, lib.gs_load_f64):
         fn.argtypes = [L, L, V, L, V, V, L, L]
@@ -1214,17 +1210,17 @@ def statistics(
 ) -> None:
     """:func:`lstsq._statistics` (without covariance) of P pixels, into ``out``'s arrays.
 
-    ``C``, ``var`` (coef, P) float64 and ``out``'s ``coef_stderr``, ``t_value``
-    (coef, P) float64 may be views whose rows are not adjacent; ``status`` (P,) int8,
+    ``C``, ``var`` (coef, P) float64 and ``out``'s ``coef_stderr`` (coef, P) float64
+    may be views whose rows are not adjacent; ``status`` (P,) int8,
     ``n_valid`` int32, ``wrms``, ``trms``, ``edf`` float64 and ``out``'s ``dof``,
     ``r2`` (float64) and ``uncertainty_flags`` (int8) are contiguous.
     """
     lib = _loaded()
     p = C.shape[1]
-    se, t = out["coef_stderr"], out["t_value"]
+    se = out["coef_stderr"]
     # checked here, not asserted: they guard raw pointers (python -O drops asserts)
-    if _rows(se, np.float64) != _rows(t, np.float64) or C.shape != se.shape or var.shape != C.shape:
-        raise ValueError("statistics: C, var and the stderr and t outputs must share a shape")
+    if C.shape != se.shape or var.shape != C.shape:
+        raise ValueError("statistics: C, var and the stderr output must share a shape")
     vectors = [status, n_valid, wrms, trms, edf, out["dof"], out["r2"], out["uncertainty_flags"]]
     if not all(v.flags.c_contiguous and v.shape == (p,) for v in vectors):
         raise ValueError("statistics: the per-pixel vectors must be contiguous, one per pixel")
@@ -1251,7 +1247,6 @@ def statistics(
         codes.ctypes.data,
         fell_back_ridge,
         se.ctypes.data,
-        t.ctypes.data,
         _rows(se, np.float64),
         out["dof"].ctypes.data,
         out["r2"].ctypes.data,

@@ -23,12 +23,14 @@ covariance ``P_w P_wᵀ`` of its solution operator (once per shared operator or
 gap pattern; per pixel from the per-pixel factorisations, see
 :mod:`stages.solve.linalg`), and the statistics follow per pixel: ``dof = n_valid
 − tr(H)`` (the rank; ``Σ s²/(s²+λ)`` under ridge), ``σ² = Σ w r² / dof``,
-standard errors, t-statistics, and R², centred when the pixel's valid rows
-span the constant, uncentred otherwise (statsmodels). The two-sided p-values
-(Student t with ``dof``; the normal distribution under ``cov_scale:
-unscaled``) are a function of ``t_value`` and ``dof`` alone: :func:`p_values`,
-which the writer calls where it writes them (a scipy call per value costs more
-than the rest of the uncertainty, and a stored copy would be derived data).
+standard errors, and R², centred when the pixel's valid rows span the
+constant, uncentred otherwise (statsmodels). The t-statistics
+(:func:`t_values`: coefficient / standard error, as stored) and the two-sided
+p-values (:func:`p_values` of t and ``dof``: Student t; the normal distribution
+under ``cov_scale: unscaled``) are derived data: the writer computes them where
+it writes them, tile by tile (a scipy call per value costs more than the rest
+of the uncertainty, and a stored t was 20 MB of fresh memory per 250,000
+pixels of ten coefficients, a fifth of the uncertainty's cost).
 """
 
 from __future__ import annotations
@@ -66,7 +68,6 @@ FLOAT32_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).ma
 #: What ``uncertainty: stderr`` adds per tile (``cov`` adds ``coef_cov (coef, coef2, y, x)``).
 UNCERTAINTY_OUTPUTS = {
     "coef_stderr": ArraySpec(("coef", "y", "x"), "f"),
-    "t_value": ArraySpec(("coef", "y", "x"), "f"),
     "dof": ArraySpec(("y", "x"), "f"),
     "r2": ArraySpec(("y", "x"), "f"),
     "uncertainty_flags": ArraySpec(("y", "x"), "i"),
@@ -511,7 +512,7 @@ class _Moments:
             return a if a.strides[1] == a.itemsize else np.ascontiguousarray(a)
 
         direct = isinstance(idx, slice) and self.out["coef_stderr"].dtype == np.float64
-        names = ("coef_stderr", "t_value", "dof", "r2", "uncertainty_flags")
+        names = ("coef_stderr", "dof", "r2", "uncertainty_flags")
         if direct:
             dest = {name: self.out[name][..., idx] for name in names}
         else:
@@ -579,7 +580,7 @@ def _statistics(
     cov: np.ndarray | None,
     config: LstsqSolve,
 ) -> dict[str, np.ndarray]:
-    """Standard errors, t, dof, R², flags (and covariance) of pixels solved together.
+    """Standard errors, dof, R², flags (and covariance) of pixels solved together.
 
     ``var`` (coef, n) or (coef,) and ``cov`` are the unscaled spread, NaN where
     a coefficient is not identifiable; the p-values are the writer's
@@ -602,14 +603,12 @@ def _statistics(
         else:
             sigma = np.where(solved, 1.0, np.nan)
         stderr = np.sqrt(var) * sigma
-        t = C / stderr
         r2 = np.where(solved, 1.0 - (wrms / trms) ** 2, np.nan)
     # var ≥ 0 or NaN (not identifiable): a column sum is NaN exactly where one is
     unidentified = np.isnan(var.sum(axis=0))
     flags = np.where(solved, unidentified * 1 + ~(dof > 0) * 2, 4).astype(np.int8)
     out = {
         "coef_stderr": stderr.astype(dtype, copy=False),
-        "t_value": t.astype(dtype, copy=False),
         "dof": dof.astype(dtype, copy=False),
         "r2": r2.astype(dtype, copy=False),
         "uncertainty_flags": flags,
@@ -618,6 +617,18 @@ def _statistics(
         cov = cov if cov.ndim == 3 else cov[:, :, None]
         with np.errstate(all="ignore"):
             out["coef_cov"] = (cov * (sigma * sigma)).astype(dtype, copy=False)
+    return out
+
+
+def t_values(coefficients: np.ndarray, stderr: np.ndarray) -> np.ndarray:
+    """t-statistics (coefficient / standard error) of stored results, in ``stderr``'s dtype.
+
+    NaN where the standard error is NaN (not identifiable, not solved); computed
+    in float64, so float32 outputs round once.
+    """
+    with np.errstate(all="ignore"):
+        t = np.asarray(coefficients, dtype=np.float64) / np.asarray(stderr, dtype=np.float64)
+    out: np.ndarray = t.astype(np.asarray(stderr).dtype, copy=False)
     return out
 
 

@@ -256,7 +256,14 @@ def _uncertainty_variables(solve: TiledArtifact, y: str, x: str) -> list[dict[st
     first = solve.tiles[0][1] if solve.tiles else None
     if first is None or "coef_stderr" not in first:
         return []
-    from gridsolve.stages.solve.lstsq import UNCERTAINTY_FLAGS, p_values  # imports torch
+    from gridsolve.stages.solve.lstsq import (  # imports torch
+        UNCERTAINTY_FLAGS,
+        p_values,
+        t_values,
+    )
+
+    def t_of(solved: Artifact) -> np.ndarray:
+        return t_values(solved.array("coefficients"), solved.array("coef_stderr"))
 
     scaled = solve.meta.get("cov_scale", "residual") == "residual"
     how = (
@@ -277,16 +284,18 @@ def _uncertainty_variables(solve: TiledArtifact, y: str, x: str) -> list[dict[st
         },
         {
             "name": "t_value",
-            "src": ("solve", "t_value"),
+            "src": ("solve", "coef_stderr"),  # its shape and dtype
+            # derived data, computed here (stages.solve.lstsq.t_values)
+            "from_tile": lambda arts: t_of(arts["solve"]),
             "dims": ("coef", y, x),
             "attrs": {"long_name": "t-statistic of the coefficients (coefficient / stderr)"},
         },
         {
             "name": "p_value",
-            "src": ("solve", "t_value"),
+            "src": ("solve", "coef_stderr"),  # its shape and dtype
             # a function of t and dof alone, computed here (stages.solve.lstsq.p_values)
             "from_tile": lambda arts: p_values(
-                arts["solve"].array("t_value"), arts["solve"].array("dof"), scaled
+                t_of(arts["solve"]), arts["solve"].array("dof"), scaled
             ),
             "dims": ("coef", y, x),
             "attrs": {

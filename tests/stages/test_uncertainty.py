@@ -13,7 +13,7 @@ import statsmodels.api as sm
 from gridsolve.schemas.contracts import STATUS_CODES
 from gridsolve.schemas.kinds.design import PolynomialDesign, RandomDesign
 from gridsolve.schemas.kinds.solve import LstsqSolve
-from gridsolve.stages.solve.lstsq import make_operator, p_values, solve_block
+from gridsolve.stages.solve.lstsq import make_operator, p_values, solve_block, t_values
 
 from testkit import Chain, make_ds
 
@@ -32,8 +32,10 @@ def solve(
     op = make_operator(A, np.ones(A.shape[0]) if sqrtw is None else sqrtw, config)
     out = solve_block(B, op, config, own_weights=own, gap_patterns=gaps)
     arrays = dict(out.arrays)
-    # p-values are derived where written (the writer calls p_values), checked here too
-    if "t_value" in arrays:
+    # t and p are derived where written (the writer calls t_values and p_values), checked here too
+    assert "t_value" not in arrays and "p_value" not in arrays
+    if "coef_stderr" in arrays:
+        arrays["t_value"] = t_values(arrays["coefficients"], arrays["coef_stderr"])
         arrays["p_value"] = p_values(
             arrays["t_value"], arrays["dof"], scaled=config.cov_scale == "residual"
         )
@@ -600,7 +602,7 @@ def test_clear_pixels_among_cloudy_ones_keep_every_pixel_its_own_results(
         res = wls(POLY, B[:, j])
         for name, ref in [("coefficients", res.params), ("coef_stderr", res.bse)]:
             close(a[name][:, j], ref, rtol)  # float32: to the largest one's precision
-        close(a["t_value"][:, j], res.tvalues, rtol)
+        close(t_values(a["coefficients"][:, j], a["coef_stderr"][:, j]), res.tvalues, rtol)
         np.testing.assert_allclose(a["r2"][j], res.rsquared, atol=rtol, err_msg=f"{j}")
         assert a["dof"][j] == res.df_resid and a["uncertainty_flags"][j] == 0
         assert a["n_valid"][j] == np.isfinite(B[:, j]).sum()
