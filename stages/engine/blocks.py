@@ -14,7 +14,7 @@ import numpy as np
 from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.errors import StageError
 from gridsolve.stages.engine.registry import get
-from gridsolve.stages.engine.store import Artifact
+from gridsolve.stages.engine.store import Artifact, native_order
 
 
 def read_block(source: Artifact, role: str, tile: Tile) -> np.ndarray:
@@ -27,5 +27,5 @@ def read_block(source: Artifact, role: str, tile: Tile) -> np.ndarray:
             stage=f"{kind}/{impl}",
             fix="declare StageDecl.read_block on the implementation that describes the cube",
         )
-    block: np.ndarray = np.asarray(decl.read_block(source.meta, role, tile))
+    block: np.ndarray = native_order(decl.read_block(source.meta, role, tile))
     return block

@@ -122,9 +122,20 @@ class _HashingWriter:
         return self._f.write(mv)
 
 
+def native_order(a: np.ndarray) -> np.ndarray:
+    """``a`` in this machine's byte order (torch and the kernels read no other); else as is.
+
+    Big-endian arrays come from NetCDF-3 files and some archives, through a
+    plugin or the Python API.
+    """
+    a = np.asarray(a)
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
+
+
 def _write_npy(f: BinaryIO, arr: np.ndarray) -> _HashingWriter:
-    """``arr`` as .npy into ``f``, checksummed; the same bytes as ``np.save``."""
+    """``arr`` as .npy into ``f`` (in native byte order), checksummed; ``np.save``'s bytes."""
     w = _HashingWriter(f)
+    arr = native_order(arr)
     if arr.flags.c_contiguous and arr.dtype.kind in "biufc":  # kinds with a buffer interface
         # Straight from the array's memory: write_array copies a file-like wrapper's
         # data through tobytes() in 16 MiB pieces first.

@@ -51,7 +51,8 @@ from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device, work_share
 from gridsolve.stages.engine.hashing import canonical_json, hash_text
 from gridsolve.stages.engine.paths import ensure_module_allowed
-from gridsolve.stages.engine.store import Artifact, StageOutput
+from gridsolve.stages.engine.pyparse import PARSE_LOCK
+from gridsolve.stages.engine.store import Artifact, StageOutput, native_order
 from gridsolve.stages.engine.versions import module_digests
 from gridsolve.stages.load.contract import grid_shape
 from gridsolve.stages.model.multidim_linear import MultidimLinear
@@ -656,7 +657,7 @@ def _as_tensor(a: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         # Read-only memory maps of the store: the kernels never write to their inputs.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(a)
+        return torch.from_numpy(native_order(a))
 
 
 def _pixels_dynamic(*tensors: torch.Tensor | None) -> None:
@@ -697,7 +698,11 @@ def compiled_kernel(
             while len(_COMPILED) > _COMPILED_MAX:
                 _COMPILED.popitem(last=False)
         _COMPILED.move_to_end(key)
-    with entry.lock:
+    # Dynamo parses source with ast while it compiles: under the parse lock, or a tile
+    # thread reading an array header meets CPython 3.11's unsafe ast constructor
+    # (stages/engine/pyparse.py). A recompile later (a guard that fails) would parse
+    # outside it; the pixel dimension is marked dynamic so that tile sizes do not.
+    with entry.lock, PARSE_LOCK:
         if not entry.checked:
             entry.checked = True
             try:

@@ -27,8 +27,9 @@ TILE_OUTPUTS = {
 def pixel_bytes(prepared: Mapping[str, Any]) -> int:
     """Memory one pixel of a tile holds here: its series, mask, weights and results."""
     n_obs, coef = int(prepared["obs"]), int(prepared["coef"])
-    # uncertainty: float64 moments and the stored results (stderr, t, p; the covariance)
-    extra = {"none": 0, "stderr": 6 * coef + 12, "cov": 6 * coef + 12 + 2 * coef * coef}
+    # uncertainty: float64 moments and the stored results (stderr; the covariance); t and
+    # p are the writer's
+    extra = {"none": 0, "stderr": 5 * coef + 12, "cov": 5 * coef + 12 + 2 * coef * coef}
     return n_obs * (8 + 8 + 1) + 8 * (coef + 2) + 8 * extra[prepared.get("uncertainty", "none")]
 
 

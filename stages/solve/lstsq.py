@@ -49,7 +49,7 @@ from gridsolve.schemas.errors import ContractError, NumericalError
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device, work_share
-from gridsolve.stages.engine.store import Artifact, StageOutput
+from gridsolve.stages.engine.store import Artifact, StageOutput, native_order
 from gridsolve.stages.load import patterns
 from gridsolve.stages.load.contract import pixel_name
 from gridsolve.stages.solve import kernel, linalg
@@ -133,12 +133,6 @@ class SharedOperator:
         )
 
 
-def _native(a: np.ndarray) -> np.ndarray:
-    """``a`` in this machine's byte order (torch and the kernels read no other); else as is."""
-    a = np.asarray(a)
-    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
-
-
 def make_operator(
     A: np.ndarray,
     sqrtw: np.ndarray,
@@ -151,7 +145,7 @@ def make_operator(
     ``data_max``, the largest |value| of the whole cube when known, spares the
     tiles a pass over their data to look for values near the dtype's limits.
     """
-    A, sqrtw = _native(A), _native(sqrtw)
+    A, sqrtw = native_order(A), native_order(sqrtw)
     n_obs, coef = A.shape
     _refuse_zero_weights(sqrtw)
     op = linalg.svd_operator(A * sqrtw[:, None], policy_of(config), svd=svd)
@@ -409,9 +403,9 @@ def solve_block(
     whose results do not fit ``config.dtype`` is refused (NumericalError),
     named by ``where`` (pixel index → text).
     """
-    B = _native(B)
-    own_weights = None if own_weights is None else _native(own_weights)
-    gap_patterns = None if gap_patterns is None else _native(gap_patterns)
+    B = native_order(B)
+    own_weights = None if own_weights is None else native_order(own_weights)
+    gap_patterns = None if gap_patterns is None else native_order(gap_patterns)
     # A result beyond the dtype's range becomes inf when stored: refused below.
     with np.errstate(over="ignore"):
         out = _solve_block(B, op, config, own_weights, memory_budget, gap_patterns)

@@ -119,7 +119,8 @@ class Rows:
     def write(self, at: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         """Rows ``at`` set to ``x`` and ``y``."""
         for path, values in ((self.x_path, x), (self.y_path, y)):
-            mapped = np.lib.format.open_memmap(path, "r+")
+            with PARSE_LOCK:  # open_memmap parses the header with ast
+                mapped = np.lib.format.open_memmap(path, "r+")
             mapped[at] = values
             mapped.flush()
             del mapped

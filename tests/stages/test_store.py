@@ -144,3 +144,13 @@ def test_parsing_source_for_code_versions_waits_for_other_threads_parses(tmp_pat
         assert isinstance(got, str) and len(got) == 32
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_arrays_in_the_other_byte_order_are_stored_in_this_machines(store: Store) -> None:
+    # A plugin stage may return big-endian arrays (NetCDF-3 data); torch reads no such array.
+    a = np.arange(6.0).reshape(2, 3)
+    other = a.astype(a.dtype.newbyteorder())
+    art = store.put(KEY, StageOutput(arrays={"a": other}, meta={}), {"kind": "t"})
+    got = art.array("a")
+    assert got.dtype.isnative and got.dtype == np.float64
+    np.testing.assert_array_equal(got, a)
