@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 #: Held around every ``ast.parse`` gridsolve makes, directly or through ``np.load``.
-PARSE_LOCK = threading.Lock()
+#: Re-entrant: a region that holds it (a model's first compile) may read an array.
+PARSE_LOCK = threading.RLock()
 
 
 def load_npy(path: str | Path, *, mmap: bool = True) -> np.ndarray:

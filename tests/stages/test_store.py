@@ -154,3 +154,20 @@ def test_arrays_in_the_other_byte_order_are_stored_in_this_machines(store: Store
     got = art.array("a")
     assert got.dtype.isnative and got.dtype == np.float64
     np.testing.assert_array_equal(got, a)
+
+
+def test_a_thread_holding_the_parse_lock_may_read_an_array(store: Store) -> None:
+    # The model stage's first compile holds the lock; anything under it that reads a
+    # header must not wait for itself.
+    art = store.put(KEY, _out(), {"kind": "t"})
+    done: list[np.ndarray] = []
+
+    def read_under_the_lock() -> None:
+        with PARSE_LOCK:
+            done.append(art.array("a"))
+
+    worker = threading.Thread(target=read_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "a read under the parse lock waited for itself"
+    np.testing.assert_array_equal(done[0], np.arange(6.0).reshape(2, 3))
