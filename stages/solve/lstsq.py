@@ -59,6 +59,13 @@ STAGE = "solve/lstsq"
 #: Above this condition number a float32 solve loses more than ~0.1% (measured
 #: in tests/stages/test_solve.py); refuse it and ask for float64.
 FLOAT32_MAX_COND = 1e4
+#: Under float32, a pixel whose float32 products may err by more than this
+#: fraction of its residual RMS is computed in float64 (and stored as float32):
+#: the products' rounding is about eps32 · √obs · max |b|, which swamps the
+#: noise of data far from zero (pressure in hPa: a 1000 offset, 0.1 noise) and
+#: with it the coefficients, standard errors and t.
+FLOAT32_PRODUCT_TOL = 1e-5
+
 #: Under float32, a pixel with a value larger than this (in magnitude) is
 #: computed in float64 and stored as float32: products and sums of such
 #: values can overflow float32 long before the results do.
@@ -310,12 +317,41 @@ def _fit_columns(
                     wrms[cols], trms[cols] = w_, t_
     else:
         C, rms, wrms, trms = _fit(B, P, A, Q, dtype, device, sw, centred)
+    if dtype == np.float32:
+        coarse = _coarse_in_float32(B, P, rms, top)
+        if coarse.any():
+            C[:, coarse], rms[coarse], w_, t_ = _fit(
+                B[:, coarse], P, A, Q, np.dtype(np.float64), device, sw, centred
+            )
+            if wrms is not None and trms is not None and w_ is not None and t_ is not None:
+                wrms[coarse], trms[coarse] = w_, t_
     limit = float(np.finfo(store or dtype).max)
     # |c| ≤ ‖P‖∞ · max |b|: only near the limit is the (full) pass over C needed.
     if P.size and top * float(np.abs(P).sum(axis=1).max()) >= 0.5 * limit:
         with np.errstate(invalid="ignore"):
             rms[~(np.abs(C) <= limit).all(axis=0)] = np.inf
     return C, rms, wrms, trms
+
+
+def _coarse_in_float32(B: np.ndarray, P: np.ndarray, rms: np.ndarray, top: float) -> np.ndarray:
+    """Which columns of ``B`` float32 products cannot fit to :data:`FLOAT32_PRODUCT_TOL`.
+
+    Those whose largest |value| is too far above their residual RMS ``rms`` (found
+    in float32). A column with no residual degrees of freedom (no more rows than
+    coefficients) has no noise to swamp and keeps float32. ``top`` bounds |B|: the
+    columns are scanned only when it does not clear every one of them.
+    """
+    n = B.shape[0]
+    none = np.zeros(B.shape[1], dtype=bool)
+    if n <= P.shape[0] or not B.size:
+        return none
+    scale = float(np.finfo(np.float32).eps) * np.sqrt(n) / FLOAT32_PRODUCT_TOL
+    rms64 = rms.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if not (top * scale > rms64).any():
+            return none
+        coarse: np.ndarray = np.abs(B).max(axis=0).astype(np.float64) * scale > rms64
+    return coarse
 
 
 def _fit(

@@ -606,3 +606,25 @@ def test_clear_pixels_among_cloudy_ones_keep_every_pixel_its_own_results(
         np.testing.assert_allclose(a["r2"][j], res.rsquared, atol=rtol, err_msg=f"{j}")
         assert a["dof"][j] == res.df_resid and a["uncertainty_flags"][j] == 0
         assert a["n_valid"][j] == np.isfinite(B[:, j]).sum()
+
+
+@pytest.mark.parametrize("uncertainty", ["stderr", "cov"])
+@pytest.mark.parametrize("offset", [0.0, 1e2, 1e3, 1e6])
+def test_float32_data_far_from_zero_keeps_its_noise(uncertainty: str, offset: float) -> None:
+    # float32 products round at eps32·max|b|: at an offset of 1e3 and a noise of 0.1
+    # (pressure in hPa) that was 25% of the t-values, every pixel flagged ok.
+    rng = np.random.default_rng(7)
+    n, px = 60, 40
+    t = np.linspace(-1, 1, n)
+    A = np.stack([np.ones(n), t, np.cos(np.pi * t), np.sin(np.pi * t)], 1)
+    noise = 0.3 * t[:, None] * rng.standard_normal(px) + 0.1 * rng.standard_normal((n, px))
+    B = (offset + noise).astype(np.float32)
+    out, _ = solve(A, B, dtype="float32", uncertainty=uncertainty)
+    assert (out["status"] == 0).all() and (out["uncertainty_flags"] == 0).all()
+    for j in range(px):
+        res = wls(A, B[:, j].astype(np.float64))
+        # in standard errors: what a reader of the coefficients and t compares with
+        assert np.max(np.abs(out["coefficients"][1:, j] - res.params[1:]) / res.bse[1:]) < 1e-5
+        np.testing.assert_allclose(out["coef_stderr"][:, j], res.bse, rtol=1e-5)
+        np.testing.assert_allclose(out["t_value"][1:, j], res.tvalues[1:], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out["dof"][j], res.df_resid)
