@@ -792,7 +792,18 @@ def file_dims(v: Mapping[str, Any], lead_dims: Sequence[str]) -> tuple[str, ...]
 
 
 def _write_failure(exc: OSError | RuntimeError, final: Path) -> OutputError:
-    """The user error for a write that failed: no space, or another cause."""
+    """The user error for a write that failed: no permission, no space, or another cause."""
+    if isinstance(exc, PermissionError) or (
+        isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+    ):
+        # before the free-space test: a folder one may not write (/proc) has none free
+        return OutputError(
+            f"writing {final} failed: not allowed to write there",
+            stage=STAGE,
+            found=f"{type(exc).__name__}: {exc}",
+            fix="choose a write.path in a folder you may write to; "
+            "nothing was written under the final name",
+        )
     # HDF5 reports a full disk or a size limit as a generic "HDF error".
     space = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
     if space or "HDF error" in str(exc) or _free_bytes(final.parent) < 2**20:

@@ -289,6 +289,22 @@ def test_output_folder_not_writable(
     assert not target.exists()
 
 
+def test_a_folder_that_refuses_files_is_not_reported_as_a_full_disk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # /proc exists, passes root's access check, has no free space and refuses new
+    # files: the message named a full disk and told the user to free space.
+    cfg = base(tmp_path)
+    target = Path("/proc/gridsolve-result.nc")
+    cfg["write"]["path"] = str(target)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    code, err = run_cli(tmp_path / "c.yaml", capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "no space left" not in err, err
+    assert "not allowed to write there" in err or "is not writable" in err, err
+    assert not target.exists()
+
+
 def test_disk_full_during_write(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], tmpfs: Any
 ) -> None:
