@@ -294,7 +294,8 @@ def _fit_columns(
     weighted mean (``centred``) or about zero (see :func:`_fit`); else None.
 
     Computed in ``dtype``, except that under float32 a column with a value
-    beyond :data:`FLOAT32_SAFE_MAX` is computed in float64. A column whose
+    beyond :data:`FLOAT32_SAFE_MAX`, or whose float32 products cannot resolve its
+    residual (:data:`FLOAT32_PRODUCT_TOL`), is computed in float64. A column whose
     coefficients do not fit ``store`` (default ``dtype``), the dtype they are
     stored in, gets an infinite residual RMS: solve_block refuses it.
     ``data_max`` bounds |B| when known (else B is scanned).
@@ -302,29 +303,29 @@ def _fit_columns(
     top = data_max
     if top is None:
         top = float(max(B.max(), -B.min())) if B.size else 0.0
+    n_px = B.shape[1]
+    wide = np.zeros(n_px, dtype=bool)
     if dtype == np.float32 and top > FLOAT32_SAFE_MAX:
         wide = np.maximum(B.max(axis=0), -B.min(axis=0)) > FLOAT32_SAFE_MAX
-        C = np.empty((P.shape[0], B.shape[1]), dtype=dtype)
-        rms = np.empty(B.shape[1], dtype=dtype)
-        wrms = None if sw is None else np.empty(B.shape[1])
-        trms = None if sw is None else np.empty(B.shape[1])
-        for cols, cdtype in ((~wide, dtype), (wide, np.dtype(np.float64))):
-            if cols.any():
-                C[:, cols], rms[cols], w_, t_ = _fit(
-                    B[:, cols], P, A, Q, cdtype, device, sw, centred
-                )
-                if wrms is not None and trms is not None and w_ is not None and t_ is not None:
-                    wrms[cols], trms[cols] = w_, t_
-    else:
+    if not wide.any():
         C, rms, wrms, trms = _fit(B, P, A, Q, dtype, device, sw, centred)
-    if dtype == np.float32:
-        coarse = _coarse_in_float32(B, P, rms, top)
-        if coarse.any():
-            C[:, coarse], rms[coarse], w_, t_ = _fit(
-                B[:, coarse], P, A, Q, np.dtype(np.float64), device, sw, centred
-            )
+    else:
+        C = np.empty((P.shape[0], n_px), dtype=dtype)
+        rms = np.full(n_px, np.nan, dtype=dtype)  # the wide columns' are found below
+        wrms = None if sw is None else np.empty(n_px)
+        trms = None if sw is None else np.empty(n_px)
+
+    def fit_in(cols: np.ndarray, cdtype: np.dtype) -> None:
+        if cols.any():
+            C[:, cols], rms[cols], w_, t_ = _fit(B[:, cols], P, A, Q, cdtype, device, sw, centred)
             if wrms is not None and trms is not None and w_ is not None and t_ is not None:
-                wrms[coarse], trms[coarse] = w_, t_
+                wrms[cols], trms[cols] = w_, t_
+
+    if wide.any():
+        fit_in(~wide, dtype)
+    if dtype == np.float32:
+        # the wide columns' NaN RMS never reads as coarse: each is fitted once, below
+        fit_in(wide | _coarse_in_float32(B, P, rms, top), np.dtype(np.float64))
     limit = float(np.finfo(store or dtype).max)
     # |c| ≤ ‖P‖∞ · max |b|: only near the limit is the (full) pass over C needed.
     if P.size and top * float(np.abs(P).sum(axis=1).max()) >= 0.5 * limit:
