@@ -52,7 +52,7 @@ from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_de
 from gridsolve.stages.engine.hashing import canonical_json, hash_text
 from gridsolve.stages.engine.paths import ensure_module_allowed
 from gridsolve.stages.engine.pyparse import PARSE_LOCK
-from gridsolve.stages.engine.store import Artifact, StageOutput, native_order
+from gridsolve.stages.engine.store import Artifact, StageOutput
 from gridsolve.stages.engine.versions import module_digests
 from gridsolve.stages.load.contract import grid_shape
 from gridsolve.stages.model.multidim_linear import MultidimLinear
@@ -657,7 +657,7 @@ def _as_tensor(a: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         # Read-only memory maps of the store: the kernels never write to their inputs.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(native_order(a))
+        return torch.from_numpy(a)
 
 
 def _pixels_dynamic(*tensors: torch.Tensor | None) -> None:
