@@ -541,13 +541,31 @@ def loss_curve_png(output: str | Path, options: Mapping[str, Any] | None = None)
         epoch = ds["epoch"].values
         train = ds["train_loss"].values
         val = ds["val_loss"].values
+        best = ds.attrs.get("gridsolve_train_best_epoch")
+        written = ds.attrs.get("gridsolve_train_weights_epoch")
     from matplotlib.figure import Figure  # not pyplot: no backend switch, nothing global
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(5, 3.4), dpi=80, layout="constrained")
     ax = fig.subplots()
     ax.plot(epoch, train, marker="o", label="training")
     if np.isfinite(val).any():
         ax.plot(epoch, val, marker="s", label="validation")
+    if best is not None:
+        ax.axvline(int(best), color="0.6", linestyle=":", label=f"best validation: epoch {best}")
+    if written is not None and int(written) in epoch:
+        at = int(np.flatnonzero(epoch == int(written))[0])
+        ax.plot(
+            [written] * 2,
+            [train[at], val[at]],
+            marker="o",
+            markersize=11,
+            markerfacecolor="none",
+            markeredgecolor="k",
+            linestyle="none",
+            label=f"written weights: epoch {written}",
+        )
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
     ax.set_ylabel("mean squared error")
     ax.set_yscale("log" if np.nanmin(train) > 0 else "linear")

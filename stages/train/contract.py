@@ -18,6 +18,9 @@ class TrainMeta(Meta):
     history: list[dict[str, Any]]
     epsilon: float | None
     delta: float
+    best_epoch: int | None
+    weights_epoch: int
+    weights_from: str
 
 
 CONTRACT = add(
@@ -27,8 +30,12 @@ CONTRACT = add(
         parts={
             "whole": PartContract(
                 arrays={
-                    "train_loss": ArraySpec(("epoch",), "f", "mean training loss per epoch"),
-                    "val_loss": ArraySpec(("epoch",), "f", "validation loss per epoch"),
+                    "train_loss": ArraySpec(
+                        ("epoch",), "f", "mean loss of the training pixels after each epoch"
+                    ),
+                    "val_loss": ArraySpec(
+                        ("epoch",), "f", "mean loss of the validation pixels after each epoch"
+                    ),
                     "grad_norm": ArraySpec(
                         ("y", "x"), "f", "per-pixel gradient norm at the trained weights"
                     ),

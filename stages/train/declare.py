@@ -15,7 +15,8 @@ from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.registry import Lazy, StageDecl, register
 from gridsolve.stages.engine.store import StageOutput
 
-VERSION = "1"
+# 2: both losses at each epoch's final weights; best_epoch recorded without early stopping
+VERSION = "2"
 
 
 def run_none(config: NoTrain, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
@@ -52,7 +53,9 @@ for _impl, _cfg, _summary in (
             describe=lambda meta: (
                 f"{meta['epochs_run']} epoch(s), {meta['steps']} steps, "
                 f"{meta['counts'].get('train_pixels', 0)} training pixels, "
-                f"last loss {meta['history'][-1]['train_loss'] if meta['history'] else None}"
+                f"weights of epoch {meta.get('weights_epoch')} ({meta.get('weights_from')}), "
+                f"last training loss "
+                f"{meta['history'][-1]['train_loss'] if meta['history'] else None}"
             ),
         )
     )

@@ -19,6 +19,17 @@ sampling, which the privacy accounting assumes), ``ceil(N/batch_pixels)``
 steps per epoch, and the divisor is the expected batch size ``q·N``, never the
 drawn one (whose size would otherwise leak through the divisor).
 
+The loss curve. ``train_loss[e]`` and ``val_loss[e]`` have one definition:
+the mean over the training (validation) pixels of each pixel's MSE, at the
+weights as they are at the end of epoch ``e``, evaluated without clipping and
+without noise (a plain vmapped forward pass, in chunks of ``batch_pixels``).
+So the last point of the curve is the loss of the last epoch's weights, and
+the two curves are comparable. This costs one forward pass over the training
+pixels per epoch (no gradients). The best epoch is the one of the lowest
+validation loss (the first of equals); with early stopping the weights kept
+are that epoch's, otherwise the last epoch's (:attr:`TrainResult.epoch` says
+which).
+
 Determinism and resuming. All randomness of epoch ``e`` (1-based) comes from
 generators seeded with ``(seed, e)``: the shuffle or the Poisson draws, and
 the noise. A :class:`TrainState` taken at the end of any epoch (weights,
@@ -39,8 +50,10 @@ not be reproducible from the seed and resuming would not be exact. In eval
 mode both are deterministic and allowed.
 
 Privacy. :func:`epsilon` converts (noise multiplier, sample rate, steps, δ)
-to ε with Opacus's RDP accountant. The guarantee covers the training pixels;
-the validation pixels, which choose the best epoch, are not protected.
+to ε with Opacus's RDP accountant. The guarantee covers the weights' training
+pixels; the validation pixels, which choose the best epoch, are not protected,
+and neither is the training loss curve (computed from the training pixels
+without noise).
 """
 
 from __future__ import annotations
@@ -80,7 +93,13 @@ def _stage(config: GradientTrain) -> str:
 
 
 # ---------------------------------------------------------------- split and sampling
-def block_split(ny: int, nx: int, fraction: float, seed: int, block: int = 8) -> np.ndarray:
+#: Side in pixels of the square blocks the validation pixels are held out in.
+VALIDATION_BLOCK = 8
+
+
+def block_split(
+    ny: int, nx: int, fraction: float, seed: int, block: int = VALIDATION_BLOCK
+) -> np.ndarray:
     """Validation mask (ny, nx): True on whole ``block``×``block`` blocks of a fixed grid.
 
     About ``fraction`` of the blocks (at least one when ``fraction`` > 0, and
@@ -343,10 +362,12 @@ class TrainState:
 
 @dataclass(frozen=True)
 class TrainResult:
-    """The weights to keep (best epoch's with early stopping, else the last) and the state."""
+    """The weights to keep (best epoch's with early stopping, else the last), their epoch."""
 
     params: dict[str, torch.Tensor]
     state: TrainState
+    #: the epoch at whose end ``params`` were taken (0: no epoch ran)
+    epoch: int
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -660,34 +681,37 @@ def _train_epoch(
     return sums
 
 
-def _validation_loss(
+def _subset_loss(
     module: nn.Module,
     leaves: Mapping[str, torch.Tensor],
-    validation: tuple[Fetch, int] | None,
+    pixels: tuple[Fetch, int] | None,
     config: GradientTrain,
     input_shape: tuple[int, ...] | None,
     stage: str,
 ) -> float | None:
-    """Mean loss of the validation pixels at ``leaves``; None without validation pixels."""
-    if validation is None or validation[1] < 1:
+    """Mean loss of the pixels of ``(fetch, n)`` at ``leaves``; None without pixels."""
+    if pixels is None or pixels[1] < 1:
         return None
     return mean_loss(
         module,
         leaves,
-        validation[0],
-        validation[1],
+        pixels[0],
+        pixels[1],
         config.batch_pixels,
         input_shape=input_shape,
         stage=stage,
     )
 
 
-def _record_epoch(run: _Run, sums: _EpochSums, val_loss: float | None, stage: str) -> None:
+def _record_epoch(
+    run: _Run, sums: _EpochSums, train_loss: float | None, val_loss: float | None, stage: str
+) -> None:
     """Appends epoch ``run.epoch`` to the history; NumericalError if training diverged."""
     seen = sums.seen
-    train_loss = sums.loss_sum / seen if seen else math.nan
-    finite = math.isfinite(sums.loss_sum) and (val_loss is None or math.isfinite(val_loss))
-    if not (finite and all(bool(torch.isfinite(v).all()) for v in run.leaves.values())):
+    finite = all(
+        v is None or math.isfinite(v) for v in (sums.loss_sum, train_loss, val_loss)
+    ) and all(bool(torch.isfinite(v).all()) for v in run.leaves.values())
+    if not finite:
         raise NumericalError(
             f"training diverged in epoch {run.epoch}: the loss or the weights are not finite",
             stage=stage,
@@ -697,7 +721,7 @@ def _record_epoch(run: _Run, sums: _EpochSums, val_loss: float | None, stage: st
     run.history.append(
         {
             "epoch": run.epoch,
-            "train_loss": train_loss if seen else None,
+            "train_loss": train_loss,
             "val_loss": val_loss,
             "steps": sums.steps,
             "pixels": seen,
@@ -708,13 +732,18 @@ def _record_epoch(run: _Run, sums: _EpochSums, val_loss: float | None, stage: st
 
 
 def _track_best(run: _Run, val_loss: float | None, patience: int | None) -> None:
-    """Updates the best epoch and the patience counter of ``run``, and stops it when spent."""
-    if val_loss is None or patience is None:
+    """Updates the best epoch of ``run``, and with early stopping its weights and patience.
+
+    The best epoch is recorded whenever there is a validation loss; its weights
+    are kept only with early stopping, the one case in which they are written.
+    """
+    if val_loss is None:
         return
     if run.best_loss is None or val_loss < run.best_loss:
         run.best_loss, run.best_epoch, run.bad_epochs = val_loss, run.epoch, 0
-        run.best_params = _clone(run.leaves)
-    else:
+        if patience is not None:
+            run.best_params = _clone(run.leaves)
+    elif patience is not None:
         run.bad_epochs += 1
         run.stopped = run.bad_epochs >= patience
 
@@ -735,8 +764,10 @@ def train(
     """Train ``params`` of the single-sample ``module`` on pixels 0..n_pixels-1.
 
     ``fetch(indices)`` returns the inputs and targets of those training
-    pixels; ``validation = (fetch, n)`` gives the held-out pixels, whose mean
-    loss is recorded after every epoch and drives early stopping. With
+    pixels; ``validation = (fetch, n)`` gives the held-out pixels. After every
+    epoch the mean loss of the training and of the validation pixels at that
+    epoch's final weights is recorded (see the module's docstring); the
+    validation loss picks the best epoch and drives early stopping. With
     ``state`` the run continues from that state's epoch; ``until_epoch`` stops
     after that epoch (default: ``config.epochs``); ``on_epoch`` receives a
     snapshot of the state after every epoch. The module itself is not
@@ -749,14 +780,18 @@ def train(
     while not run.stopped and run.epoch < last:
         run.epoch += 1
         sums = _train_epoch(module, run, fetch, n_pixels, config, input_shape, stage)
-        val_loss = _validation_loss(module, run.leaves, validation, config, input_shape, stage)
-        _record_epoch(run, sums, val_loss, stage)
+        at = run.leaves
+        train_loss = _subset_loss(module, at, (fetch, n_pixels), config, input_shape, stage)
+        val_loss = _subset_loss(module, at, validation, config, input_shape, stage)
+        _record_epoch(run, sums, train_loss, val_loss, stage)
         _track_best(run, val_loss, config.early_stopping)
         if on_epoch is not None:
             on_epoch(_snapshot(run, n_pixels))
     final = _snapshot(run, n_pixels)
-    keep = final.best_params if final.best_params is not None else final.params
-    return TrainResult(params=_clone(keep), state=final)
+    if final.best_params is not None:
+        assert final.best_epoch is not None
+        return TrainResult(params=_clone(final.best_params), state=final, epoch=final.best_epoch)
+    return TrainResult(params=_clone(final.params), state=final, epoch=final.epoch)
 
 
 # ---------------------------------------------------------------- privacy

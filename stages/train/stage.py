@@ -273,7 +273,7 @@ def _checkpoint(config: GradientTrain, ctx: StageContext) -> Any:
         info = {"kind": "train", "part": "epoch", "epoch": state.epoch}
         ctx.store.put(key, StageOutput(arrays=arrays, meta={"state": meta}), info)
         last = state.history[-1]
-        line = f"train: epoch {state.epoch}/{config.epochs}, loss {last['train_loss']:.6g}"
+        line = f"train: epoch {state.epoch}/{config.epochs}, training loss {last['train_loss']:.6g}"
         if last.get("val_loss") is not None:
             line += f", validation loss {last['val_loss']:.6g}"
         ctx.logger.info(line)
@@ -362,7 +362,11 @@ def run(config: GradientTrain, inputs: Mapping[str, Any], ctx: StageContext) -> 
         "epochs_run": state.epoch,
         # run facts, not results: a resumed run's weights equal an uninterrupted run's
         "resumed_after_epoch": resumed.epoch if resumed is not None else 0,
+        # the epoch of the lowest validation loss (None without validation pixels), and the
+        # epoch whose weights are written: the best with early stopping, else the last
         "best_epoch": state.best_epoch,
+        "weights_epoch": result.epoch,
+        "weights_from": "best" if config.early_stopping is not None else "last",
         "steps": state.steps,
         "counts": counts,
         "epsilon": None if math.isinf(eps) else eps,

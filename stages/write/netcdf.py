@@ -835,7 +835,11 @@ def add_training(ds: xr.Dataset, train: Artifact, load: Artifact) -> None:
         ds[name] = (
             "epoch",
             np.asarray(train.array(name)),
-            {"long_name": f"mean squared error of the model over the {what} pixels"},
+            {
+                "long_name": f"mean squared error of the model over the {what} pixels",
+                "comment": f"mean over the {what} pixels of each pixel's mean squared error, "
+                "with the weights at the end of the epoch, without clipping or noise",
+            },
         )
     meta = load.meta
     lead, lead_shape = list(meta.get("lead_dims") or []), list(meta.get("lead_shape") or [])
@@ -853,6 +857,14 @@ def add_training(ds: xr.Dataset, train: Artifact, load: Artifact) -> None:
     ds.attrs["gridsolve_train_epochs"] = int(meta["epochs_run"])
     ds.attrs["gridsolve_train_steps"] = int(meta["steps"])
     ds.attrs["gridsolve_train_pixels"] = json.dumps(meta["counts"], sort_keys=True)
+    if meta.get("best_epoch") is not None:  # None: no validation pixels
+        ds.attrs["gridsolve_train_best_epoch"] = int(meta["best_epoch"])
+    ds.attrs["gridsolve_train_weights_epoch"] = int(meta["weights_epoch"])
+    ds.attrs["gridsolve_train_weights_from"] = (
+        "best validation epoch (early stopping restored it)"
+        if meta["weights_from"] == "best"
+        else "last epoch (no early stopping)"
+    )
     if meta.get("epsilon") is not None:
         ds.attrs["gridsolve_train_epsilon"] = float(meta["epsilon"])
         ds.attrs["gridsolve_train_delta"] = float(meta["delta"])

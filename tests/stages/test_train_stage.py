@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from gridsolve.schemas.errors import ConfigError
 from gridsolve.schemas.pipeline import build_config
 from gridsolve.stages.engine.plan import build_plan
 from gridsolve.stages.model.multidim_linear import MultidimLinear
+from gridsolve.stages.train.dpsgd import block_split
 
 from testkit import make_ds, run_plan
 
@@ -202,3 +204,105 @@ def test_streaming_the_dataset_gives_the_same_weights(
         weights.append(ctx.store.get(refs["train"].key).arrays())
     for key in weights[0]:
         assert weights[0][key].tobytes() == weights[1][key].tobytes(), key
+
+
+# ---------------------------------------------------------------- the loss curve is the model's
+def lstsq_inputs(cube: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Each pixel's model input (numpy lstsq coefficients as 2×2) and target, in raster order."""
+    import xarray as xr
+
+    with xr.open_dataset(cube) as ds:
+        y, target = ds["signal"].values, ds["tgt"].values
+        t = ds["time"].values.astype(np.float64)
+    u = (t - (t.min() + t.max()) / 2) / ((t.max() - t.min()) / 2)
+    A = np.stack([u**k for k in range(4)], axis=1)
+    coef = np.linalg.lstsq(A, y.reshape(y.shape[0], -1), rcond=None)[0]
+    return coef.T.reshape(-1, 2, 2), target.reshape(target.shape[0], -1).T
+
+
+def mse_of_written_weights(weights: Path, x: np.ndarray, y: np.ndarray) -> float:
+    """Mean over pixels of each pixel's MSE, one plain forward per pixel, float64 sums."""
+    model = MultidimLinear(2, 2, 2).double()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in load_file(str(weights)).items()})
+    total = 0.0
+    with torch.no_grad():
+        for xi, yi in zip(x, y, strict=True):
+            total += float(((model(torch.from_numpy(xi)) - torch.from_numpy(yi)) ** 2).mean())
+    return total / len(x)
+
+
+def assert_curve_is_the_written_weights(out: Path, cube: Path, at_epoch: int) -> None:
+    """train_loss/val_loss at ``at_epoch`` are the written weights' MSE over each side."""
+    import xarray as xr
+
+    x, y = lstsq_inputs(cube)
+    with xr.open_dataset(out) as ds:
+        train_loss, val_loss = ds["train_loss"].values, ds["val_loss"].values
+        attrs = dict(ds.attrs)
+        ny, nx = ds.sizes["y"], ds.sizes["x"]
+    cfg = json.loads(attrs["gridsolve_config"])["train"]
+    held = block_split(ny, nx, cfg["validation_fraction"], cfg["seed"]).reshape(-1)
+    weights = Path(f"{out}.weights.safetensors")
+    mse_train = mse_of_written_weights(weights, x[~held], y[~held])
+    mse_val = mse_of_written_weights(weights, x[held], y[held])
+    np.testing.assert_allclose(train_loss[at_epoch - 1], mse_train, rtol=1e-9)
+    np.testing.assert_allclose(val_loss[at_epoch - 1], mse_val, rtol=1e-9)
+    # the split itself does not matter to this one: the MSE over every pixel, pooled
+    n_t, n_v = int((~held).sum()), int(held.sum())
+    pooled = (n_t * train_loss[at_epoch - 1] + n_v * val_loss[at_epoch - 1]) / (n_t + n_v)
+    np.testing.assert_allclose(pooled, mse_of_written_weights(weights, x, y), rtol=1e-9)
+    assert attrs["gridsolve_train_best_epoch"] == int(np.argmin(val_loss)) + 1
+    assert attrs["gridsolve_train_weights_epoch"] == at_epoch
+
+
+def test_the_curve_ends_at_the_loss_of_the_written_weights(tmp_path: Path, ctx: Any) -> None:
+    import xarray as xr
+
+    cube = cube_with_target(tmp_path / "cube.nc", ny=24, nx=16)
+    raw = sections(tmp_path, cube, epochs=5, batch_pixels=32, validation_fraction=0.25)
+    run(tmp_path, raw, ctx, tile_pixels=100)  # several tiles
+    out = tmp_path / "out.nc"
+    assert_curve_is_the_written_weights(out, cube, at_epoch=5)  # no early stopping: the last
+    with xr.open_dataset(out) as ds:
+        assert ds.attrs["gridsolve_train_weights_from"].startswith("last epoch")
+        assert ds["train_loss"].values[-1] < ds["train_loss"].values[0]
+
+
+def test_early_stopping_writes_the_best_epoch_and_its_losses(tmp_path: Path, ctx: Any) -> None:
+    import xarray as xr
+
+    cube = cube_with_target(tmp_path / "cube.nc", ny=24, nx=16)
+    raw = sections(
+        tmp_path, cube, impl="adam", epochs=12, batch_pixels=64, lr=0.05, clip_norm=None,
+        validation_fraction=0.25, early_stopping=2,
+    )  # fmt: skip
+    run(tmp_path, raw, ctx)
+    out = tmp_path / "out.nc"
+    with xr.open_dataset(out) as ds:
+        best = int(ds.attrs["gridsolve_train_best_epoch"])
+        # stopped 2 worse epochs after the best (3 of 5 here), whose weights are written
+        assert best == ds.sizes["epoch"] - 2 and ds.sizes["epoch"] < 12
+        assert np.isfinite(ds["train_loss"].values).all()
+        assert ds.attrs["gridsolve_train_weights_from"].startswith("best validation epoch")
+    assert_curve_is_the_written_weights(out, cube, at_epoch=best)
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_through_gridsolve_run_the_curve_is_the_written_weights(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    cube = cube_with_target(tmp_path / "cube.nc", ny=24, nx=16)
+    raw = sections(tmp_path, cube, epochs=5, batch_pixels=32, validation_fraction=0.25)
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    gridsolve = str(Path(sys.executable).parent / "gridsolve")
+    res = subprocess.run(
+        [gridsolve, "run", str(config)], capture_output=True, text=True, timeout=900
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = tmp_path / "out.nc"
+    assert_curve_is_the_written_weights(out, cube, at_epoch=5)
+    assert Path(f"{out}.loss.png").read_bytes().startswith(b"\x89PNG")
