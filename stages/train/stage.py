@@ -192,6 +192,97 @@ def _mask(
     return mask, counts
 
 
+#: The counts of pixels left out of training and validation, by reason.
+EXCLUSIONS = (
+    "excluded_status",
+    "excluded_coefficients_not_finite",
+    "excluded_target_not_finite",
+)
+
+
+def _excluded(config: GradientTrain, counts: Mapping[str, int], target: str) -> tuple[str, str]:
+    """Why pixels are not samples, as counts, and the config fields that change it."""
+    found = (
+        f"{counts['excluded_status']} with a solve status outside train.usable_status "
+        f"{list(config.usable_status)}, {counts['excluded_coefficients_not_finite']} with "
+        f"non-finite coefficients, {counts['excluded_target_not_finite']} with no finite "
+        f"value of the target {target!r}"
+    )
+    fixes = []
+    if counts["excluded_target_not_finite"]:
+        fixes.append(
+            f"check that load.target ({target!r}) names the variable of targets and that its "
+            "values are not all missing (NaN, _FillValue or outside valid_range)"
+        )
+    if counts["excluded_status"]:
+        fixes.append("allow more solve statuses in train.usable_status")
+    if counts["excluded_coefficients_not_finite"]:
+        fixes.append("check the solve's coefficients (status, policy)")
+    return found, "; or ".join(fixes) or "check the input data"
+
+
+def check_split(
+    config: GradientTrain,
+    counts: Mapping[str, int],
+    map_shape: tuple[int, int],
+    target: str,
+    block: int = dpsgd.VALIDATION_BLOCK,
+) -> None:
+    """ContractError naming the sizes and counts if either side of the split has no pixel.
+
+    ``counts`` are :func:`dataset`'s (exclusions, ``train_pixels``,
+    ``validation_pixels``); ``map_shape`` is the (y, x) map the validation
+    blocks are drawn on. Checked before any row is copied or any step taken.
+    """
+    stage = _stage(config)
+    n_train, n_val = counts["train_pixels"], counts["validation_pixels"]
+    total = n_train + n_val + sum(counts[k] for k in EXCLUSIONS)
+    frac = config.validation_fraction
+    ny, nx = map_shape
+    n_blocks = -(-ny // block) * -(-nx // block)
+    if n_train + n_val == 0:
+        found, fix = _excluded(config, counts, target)
+        raise ContractError(
+            f"no pixel can be a training sample: none of the {total} pixels has a usable "
+            "solve status, finite coefficients and a finite target",
+            stage=stage,
+            found=found,
+            fix=fix,
+        )
+    if n_train == 0 and frac > 0 and n_blocks == 1:
+        raise ContractError(
+            f"the map ({ny} × {nx} pixels) is smaller than one validation block "
+            f"({block} × {block} pixels): validation_fraction {frac} holds out the whole map, "
+            "so no pixel is left to train on",
+            stage=stage,
+            found=f"{n_val} usable pixels, all in the one validation block",
+            fix="set train.validation_fraction: 0 (no validation loss; early_stopping: null), "
+            f"or train on a map larger than {block} pixels along y or x",
+        )
+    if n_train == 0:
+        raise ContractError(
+            f"no usable pixel is left to train on: all {n_val} fall in the validation blocks "
+            f"(validation_fraction {frac} of the {n_blocks} blocks of {block} × {block} "
+            f"pixels on the {ny} × {nx} map)",
+            stage=stage,
+            found=_excluded(config, counts, target)[0] + " outside the validation blocks",
+            fix="lower train.validation_fraction, or choose another train.seed (it draws "
+            "the blocks)",
+        )
+    if n_val == 0 and frac > 0:
+        found, _ = _excluded(config, counts, target)
+        raise ContractError(
+            f"no usable pixel falls in the validation blocks (validation_fraction {frac} of "
+            f"the {n_blocks} blocks of {block} × {block} pixels on the {ny} × {nx} map), so "
+            "there is no validation loss",
+            stage=stage,
+            found=f"{n_train} usable pixels to train on, none held out; not usable: {found}",
+            fix="choose another train.seed (it draws the blocks), raise "
+            "train.validation_fraction, or set train.validation_fraction: 0 and "
+            "early_stopping: null to train without validation",
+        )
+
+
 def dataset(
     config: GradientTrain,
     load: Artifact,
@@ -200,8 +291,21 @@ def dataset(
     dtype: np.dtype,
     budget: int = ROW_BUDGET,
 ) -> Dataset:
-    """The training dataset, in files under ``folder`` (the caller removes it)."""
+    """The training dataset, in files under ``folder`` (the caller removes it).
+
+    ContractError (see :func:`check_split`) before any row is copied when the
+    training or the validation side would have no pixel.
+    """
     mask, counts = _mask(config, load, solve, dtype)
+    # The split is drawn on the map (y, x) and repeated over the batch dims' planes, so a
+    # location is on one side for every member/level: no leak between the two sides.
+    map_shape = (int(load.meta["ny"]), int(load.meta["nx"]))
+    plane = dpsgd.block_split(*map_shape, config.validation_fraction, config.seed)
+    planes = mask.shape[0] // plane.shape[0]
+    held = np.tile(plane, (planes, 1))[mask]
+    counts["train_pixels"] = int((~held).sum())
+    counts["validation_pixels"] = int(held.sum())
+    check_split(config, counts, map_shape, str(load.meta["aux"]["target"]["name"]))
     n = int(mask.sum())
     n_coef = int(solve.prepared.meta["coef"])
     n_out = int(load.meta["aux"]["target"]["n_out"])
@@ -212,15 +316,6 @@ def dataset(
         use = mask[ys, xs]
         target = read_block(load, "target", tile)
         rows.write(rank[ys, xs][use], art.array("coefficients")[:, use].T, target[:, use].T)
-    # The split is drawn on the map (y, x) and repeated over the batch dims' planes, so a
-    # location is on one side for every member/level: no leak between the two sides.
-    plane = dpsgd.block_split(
-        int(load.meta["ny"]), int(load.meta["nx"]), config.validation_fraction, config.seed
-    )
-    planes = mask.shape[0] // plane.shape[0]
-    held = np.tile(plane, (planes, 1))[mask]
-    counts["train_pixels"] = int((~held).sum())
-    counts["validation_pixels"] = int(held.sum())
     return Dataset(rows=rows, n=n, validation=held, counts=counts, mask=mask)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from gridsolve.schemas.errors import ConfigError
+from gridsolve.schemas.errors import ConfigError, ContractError
 from gridsolve.schemas.pipeline import build_config
 from gridsolve.stages.engine.plan import build_plan
 from gridsolve.stages.model.multidim_linear import MultidimLinear
@@ -285,6 +285,74 @@ def test_early_stopping_writes_the_best_epoch_and_its_losses(tmp_path: Path, ctx
         assert np.isfinite(ds["train_loss"].values).all()
         assert ds.attrs["gridsolve_train_weights_from"].startswith("best validation epoch")
     assert_curve_is_the_written_weights(out, cube, at_epoch=best)
+
+
+# ---------------------------------------------------------------- nothing to train on
+def test_a_map_smaller_than_one_validation_block_is_refused_before_training(
+    tmp_path: Path, ctx: Any
+) -> None:
+    cube = cube_with_target(tmp_path / "cube.nc", ny=5, nx=6)
+    raw = sections(tmp_path, cube, validation_fraction=0.1)
+    with pytest.raises(ContractError) as err:
+        run(tmp_path, raw, ctx)
+    msg = str(err.value)
+    assert "[train/sgd]" in msg and "5 × 6" in msg and "8 × 8" in msg, msg
+    assert "30 usable pixels" in msg and "train.validation_fraction: 0" in msg, msg
+    assert not any(ctx.store.root.rglob("X.npy"))  # no row copied
+    assert not (tmp_path / "out.nc").exists()
+
+
+def test_a_target_without_a_finite_value_is_refused_with_the_counts(
+    tmp_path: Path, ctx: Any
+) -> None:
+    cube = cube_with_target(tmp_path / "cube.nc")
+    import xarray as xr
+
+    with xr.open_dataset(cube) as ds:
+        ds = ds.load()
+    ds["tgt"][:] = np.nan
+    ds.to_netcdf(tmp_path / "nan.nc")
+    raw = sections(tmp_path, tmp_path / "nan.nc", validation_fraction=0.1)
+    with pytest.raises(ContractError) as err:
+        run(tmp_path, raw, ctx)
+    msg = str(err.value)
+    assert "none of the 252 pixels" in msg, msg
+    assert "252 with no finite value of the target 'tgt'" in msg, msg
+    assert "load.target ('tgt')" in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("counts", "shape", "needles"),
+    [
+        (  # every usable pixel is in a held-out block
+            {"train_pixels": 0, "validation_pixels": 40, "excluded_status": 0,
+             "excluded_coefficients_not_finite": 0, "excluded_target_not_finite": 216},
+            (16, 16),
+            ["all 40 fall in the validation blocks", "4 blocks", "216 with no finite value",
+             "lower train.validation_fraction"],
+        ),
+        (  # no usable pixel in the held-out blocks
+            {"train_pixels": 30, "validation_pixels": 0, "excluded_status": 226,
+             "excluded_coefficients_not_finite": 0, "excluded_target_not_finite": 0},
+            (16, 16),
+            ["no usable pixel falls in the validation blocks", "30 usable pixels",
+             "226 with a solve status outside", "train.validation_fraction: 0"],
+        ),
+    ],
+)  # fmt: skip
+def test_an_empty_side_of_the_split_names_its_counts_and_the_fix(
+    counts: dict[str, int], shape: tuple[int, int], needles: list[str]
+) -> None:
+    from gridsolve.schemas.kinds.train import SGDTrain
+    from gridsolve.stages.train.stage import check_split
+
+    with pytest.raises(ContractError) as err:
+        check_split(SGDTrain(validation_fraction=0.1), counts, shape, "tgt")
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+    # the same pixels without validation: all train, nothing refused
+    every = {**counts, "train_pixels": counts["train_pixels"] + counts["validation_pixels"]}
+    check_split(SGDTrain(validation_fraction=0.0), {**every, "validation_pixels": 0}, shape, "t")
 
 
 @pytest.mark.usefixtures("prefect_server")
