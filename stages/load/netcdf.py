@@ -350,7 +350,9 @@ def resolve_selection(ds: xr.Dataset, var: str, config: NetCDFLoad, base: Source
         else:
             positions.append((dim, tuple(int(v) for v in values)))
     dropped = [d for d, p in positions if isinstance(p, int)]
-    obs, y, x, _ = infer_dims(tuple(dims), config.obs_dim, config.y_dim, config.x_dim)
+    obs, y, x, _ = infer_dims(
+        tuple(dims), config.obs_dim, config.y_dim, config.x_dim, cf_roles(ds[var])
+    )
     lost = [f"{role} dim {d!r}" for role, d in (("obs", obs), ("y", y), ("x", x)) if d in dropped]
     if lost:
         raise ContractError(
@@ -509,7 +511,59 @@ def _masked_file(path: str) -> xr.Dataset:
 
 
 # ---------------------------------------------------------------- dims
-def _pick(names: tuple[str, ...], dims: tuple[str, ...]) -> str | None:
+#: CF ``axis`` values and ``standard_name``s of coordinate variables, and the role they give
+#: their dim (CF 4.1–4.4; ``Z`` is a vertical axis: a batch dim, never obs or the map).
+_CF_AXES = {"T": "obs", "Y": "y", "X": "x", "Z": "z"}
+_CF_NAMES = {
+    "time": "obs",
+    "latitude": "y",
+    "grid_latitude": "y",
+    "projection_y_coordinate": "y",
+    "longitude": "x",
+    "grid_longitude": "x",
+    "projection_x_coordinate": "x",
+}
+#: The units CF 4.1 and 4.2 accept for latitude and longitude (lowercased).
+_LAT_UNITS = frozenset(
+    ("degrees_north", "degree_north", "degree_n", "degrees_n", "degreen", "degreesn")
+)
+_LON_UNITS = frozenset(
+    ("degrees_east", "degree_east", "degree_e", "degrees_e", "degreee", "degreese")
+)
+
+
+def _cf_role(c: xr.DataArray) -> str | None:
+    """The role ("obs", "y", "x", "z") a coordinate variable's CF attributes give its dim."""
+    axis = str(c.attrs.get("axis", "")).strip().upper()
+    if axis in _CF_AXES:
+        return _CF_AXES[axis]
+    standard = str(c.attrs.get("standard_name", "")).strip().lower()
+    if standard in _CF_NAMES:
+        return _CF_NAMES[standard]
+    # Decoded times keep their units in the encoding; undecoded ones in the attributes.
+    units = str(c.attrs.get("units", c.encoding.get("units", ""))).strip().lower()
+    if c.dtype.kind == "M" or " since " in f" {units} " or is_cftime(np.asarray(c.values[:1])):
+        return "obs"
+    if units in _LAT_UNITS:
+        return "y"
+    if units in _LON_UNITS:
+        return "x"
+    return None
+
+
+def cf_roles(da: xr.DataArray) -> dict[str, str]:
+    """Dim → role ("obs", "y", "x", "z") from the CF attributes of each dim's coordinate variable.
+
+    Dims without a coordinate variable, or whose attributes say nothing, are left out.
+    """
+    roles: dict[str, str] = {}
+    for dim in da.dims:
+        if dim in da.coords and (role := _cf_role(da.coords[dim])) is not None:
+            roles[str(dim)] = role
+    return roles
+
+
+def _pick(names: tuple[str, ...], dims: list[str]) -> str | None:
     lowered = {d.lower(): d for d in dims}
     for n in names:
         if n in lowered:
@@ -517,12 +571,30 @@ def _pick(names: tuple[str, ...], dims: tuple[str, ...]) -> str | None:
     return None
 
 
-def infer_dims(
-    dims: tuple[str, ...], obs: str | None, y: str | None, x: str | None
-) -> tuple[str, str, str, list[str]]:
-    """(obs, y, x) dim names from config or from conventional names; violations if impossible.
+def _shape_text(dims: tuple[str, ...], sizes: Mapping[str, int] | None) -> str:
+    if not sizes:
+        return f"({', '.join(dims)})"
+    return "(" + ", ".join(f"{d}={sizes[d]}" if d in sizes else d for d in dims) + ")"
 
-    The variable may have more dims (member, level, …): they are batch dims.
+
+def infer_dims(
+    dims: tuple[str, ...],
+    obs: str | None,
+    y: str | None,
+    x: str | None,
+    roles: Mapping[str, str] | None = None,
+    sizes: Mapping[str, int] | None = None,
+) -> tuple[str, str, str, list[str]]:
+    """(obs, y, x) dim names, never guessed from positions; violations if they cannot be told.
+
+    In order: load.obs_dim / y_dim / x_dim; the CF ``roles`` of the dims'
+    coordinate variables (:func:`cf_roles`: ``axis``, ``standard_name``, time or
+    degree units), each claimed by one dim; conventional names (``time``,
+    ``lat``, ``x``, …; one obs-like name, never a choice among several); then
+    by elimination: with y and x known, the one dim left is obs, and with obs
+    known, the dims left (exactly as many as are missing) are y then x in the
+    variable's order (they only lay out the maps: the fits are per series).
+    Any other dim is a batch dim. ``sizes`` only make the messages say more.
     """
     problems = [
         f"{field} {name!r} is not a dim of the variable (its dims are {list(dims)})"
@@ -532,24 +604,64 @@ def infer_dims(
     ]
     if problems or len(dims) < 3:
         return "", "", "", problems
-    y = y or _pick(Y_NAMES, tuple(d for d in dims if d not in (obs, x)))
-    x = x or _pick(X_NAMES, tuple(d for d in dims if d not in (obs, y)))
-    if y is None and x is None and obs is None and len(dims) == 3:
-        obs, y, x = dims  # conventional (obs, y, x) order
-    rest = tuple(d for d in dims if d not in (y, x))
-    if obs is None and y is not None and x is not None:
-        # More dims: the one obs-like name, never a guess among several (time and step).
-        named = [d for d in rest if d.lower() in OBS_NAMES]
-        obs = rest[0] if len(rest) == 1 else (named[0] if len(named) == 1 else None)
-    if None in (obs, y, x) or len({obs, y, x}) != 3:
+    roles = roles or {}
+    found: dict[str, str | None] = {"obs": obs, "y": y, "x": x}
+    taken = {d for d in found.values() if d is not None}
+    for role in ("obs", "y", "x"):
+        claims = [d for d in dims if roles.get(d) == role and d not in taken]
+        if found[role] is None and len(claims) == 1:
+            found[role] = claims[0]
+            taken.add(claims[0])
+    for role, names in (("y", Y_NAMES), ("x", X_NAMES)):
+        free = [d for d in dims if d not in taken and roles.get(d) in (None, role)]
+        if found[role] is None and (name := _pick(names, free)) is not None:
+            found[role] = name
+            taken.add(name)
+    named = [d for d in dims if d not in taken and roles.get(d) in (None, "obs")]
+    named = [d for d in named if d.lower() in OBS_NAMES]
+    if found["obs"] is None and len(named) == 1:
+        found["obs"] = named[0]
+        taken.add(named[0])
+    rest = [d for d in dims if d not in taken and roles.get(d) != "z"]
+    if found["obs"] is None and None not in (found["y"], found["x"]) and len(rest) == 1:
+        found["obs"] = rest[0]
+        taken.add(rest[0])
+    missing = [r for r in ("y", "x") if found[r] is None]
+    if found["obs"] is not None and missing and len(rest) == len(missing):
+        found.update(zip(missing, rest, strict=True))
+        missing = []
+    shape = _shape_text(dims, sizes)
+    free = [d for d in dims if d not in {v for v in found.values() if v}]
+    if found["obs"] is None:
+        example = free[-1] if free else dims[-1]
         problems.append(
-            f"cannot tell which of {list(dims)} are obs, y and x "
-            f"(got obs={obs!r}, y={y!r}, x={x!r}); name them with load.obs_dim / "
-            "load.y_dim / load.x_dim"
+            f"cannot tell which dim is the observation dim: the variable's dims are {shape}, "
+            f"none is named like one ({', '.join(OBS_NAMES)}) or has a coordinate variable "
+            "that says so (CF axis: T, standard_name: time, or units like 'days since …'); "
+            f"set load.obs_dim to the dim of the observations, e.g. the line `obs_dim: {example}` "
+            "in the config's load section"
+        )
+    elif missing:
+        pair = (free + list(dims))[:2] if len(free) < 2 else free[-2:]
+        problems.append(
+            f"cannot tell which dims are the map's rows and columns: the variable's dims are "
+            f"{shape}, obs is {found['obs']!r}, and of {free} none is named like y / x "
+            "(lat, lon, y, x, …) or has a coordinate variable that says so (CF axis: Y / X, "
+            "standard_name, units degrees_north / degrees_east); set load.y_dim and "
+            f"load.x_dim, e.g. the lines `y_dim: {pair[0]}` and `x_dim: {pair[1]}` in "
+            "the config's load section"
+        )
+    if problems:
+        return "", "", "", problems
+    o, yy, xx = found["obs"], found["y"], found["x"]
+    assert o is not None and yy is not None and xx is not None
+    if len({o, yy, xx}) != 3:
+        problems.append(
+            f"load.obs_dim / y_dim / x_dim name the same dim twice (obs={o!r}, y={yy!r}, "
+            f"x={xx!r}); the variable's dims are {shape}"
         )
         return "", "", "", problems
-    assert obs is not None and y is not None and x is not None
-    return obs, y, x, problems
+    return o, yy, xx, problems
 
 
 # ---------------------------------------------------------------- scan
@@ -878,7 +990,10 @@ def _cube(config: NetCDFLoad, ds: xr.Dataset, var: str) -> _Cube:
             "load.select / load.isel keeps a dim",
         )
     dims = tuple(str(d) for d in da.dims)
-    obs_dim, y_dim, x_dim, problems = infer_dims(dims, config.obs_dim, config.y_dim, config.x_dim)
+    sizes = {str(d): int(n) for d, n in da.sizes.items()}
+    obs_dim, y_dim, x_dim, problems = infer_dims(
+        dims, config.obs_dim, config.y_dim, config.x_dim, cf_roles(da), sizes
+    )
     if not numeric_kind(da.dtype):
         problems.append(f"variable {var!r} has dtype {da.dtype}; expected numbers (float or int)")
     for dim, n in da.sizes.items():
@@ -1408,8 +1523,12 @@ def _file_set(config_json: str, files: tuple[str, ...], ident_json: str, options
     try:
         var = _set_cube_name(config, datasets, files)
         filesets.check_holds(datasets, files, var)
-        dims = tuple(str(d) for d in datasets[0][var].dims)
-        obs, _, _, problems = infer_dims(dims, config.obs_dim, config.y_dim, config.x_dim)
+        first = datasets[0][var]
+        dims = tuple(str(d) for d in first.dims)
+        sizes = {str(d): int(n) for d, n in first.sizes.items()}
+        obs, _, _, problems = infer_dims(
+            dims, config.obs_dim, config.y_dim, config.x_dim, cf_roles(first), sizes
+        )
         if not obs:
             raise ContractError(
                 f"cannot tell which dim of {var!r} to combine the files along",
@@ -1461,17 +1580,34 @@ def _base(config: NetCDFLoad, per: Mapping[str, Any], store: str | None) -> Sour
 
 
 def check_opens(config: NetCDFLoad) -> None:
-    """Open every file (or the store) ``load.path`` names; InputError for the first that fails."""
+    """Open what ``load.path`` names and check the cube's variable, selection and dims.
+
+    InputError for the first file that does not open; ContractError (every
+    violation) when the cube cannot be told, or its obs / y / x dims cannot be
+    identified. Reads metadata and coordinates, not the cube's values.
+    """
+    options = canonical_json(config.storage_options) if config.storage_options else ""
     single = _single(config)
     if single is not None:
-        open_netcdf(single).close()
-        return
-    members, store = _members(config)
-    if store is not None:
-        _open_zarr(store, raw=False, options=config.storage_options).close()
-        return
-    for f in members:
-        open_netcdf(local(f, config.storage_options)).close()
+        base = Source(single)
+    else:
+        members, store = _members(config)
+        if store is not None:
+            base = Source(store, zarr=True, options=options)
+        else:
+            for f in members:
+                open_netcdf(local(f, config.storage_options)).close()
+            if len(members) == 1:
+                base = Source(members[0], options=options)
+            else:
+                payload = canonical_json(config.key_payload())
+                base = _file_set(payload, tuple(members), "", options or "{}")
+    ds = base.open()
+    try:
+        var = _cube_name(config, ds)
+        _cube(config, resolve_selection(ds, var, config, base).apply(ds), var)
+    finally:
+        base.close(ds)
 
 
 # ---------------------------------------------------------------- the stage

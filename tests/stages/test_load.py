@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xarray as xr
 
 from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.errors import ContractError, InputError
@@ -21,19 +22,92 @@ from testkit import Chain, make_ds
 
 
 @pytest.mark.parametrize(
-    ("dims", "expected"),
+    ("dims", "roles", "config", "expected"),
     [
-        (("time", "y", "x"), ("time", "y", "x")),
-        (("time", "lat", "lon"), ("time", "lat", "lon")),
-        (("lat", "lon", "band"), ("band", "lat", "lon")),
-        (("row", "time", "col"), ("time", "row", "col")),
-        (("a", "b", "c"), ("a", "b", "c")),
+        (("time", "y", "x"), {}, {}, ("time", "y", "x")),
+        (("time", "lat", "lon"), {}, {}, ("time", "lat", "lon")),
+        (("lat", "lon", "band"), {}, {}, ("band", "lat", "lon")),
+        (("row", "time", "col"), {}, {}, ("time", "row", "col")),
+        # y and x by name: the one dim left is obs (elimination, not position)
+        (("nlat", "nlon", "nt"), {}, {}, ("nt", "nlat", "nlon")),
+        # CF attributes of coordinate variables (axis, standard_name, units)
+        (("a", "b", "c"), {"c": "obs", "a": "y", "b": "x"}, {}, ("c", "a", "b")),
+        (("a", "b", "c"), {"a": "obs"}, {}, ("a", "b", "c")),
+        # obs configured: the two dims left are y then x, in the variable's order
+        (("nj", "ni", "nt"), {}, {"obs": "nt"}, ("nt", "nj", "ni")),
+        (("ni", "nt", "nj"), {}, {"obs": "nt"}, ("nt", "ni", "nj")),
+        # a vertical (CF axis Z) dim is a batch dim, never obs
+        (("lev", "lat", "lon", "time"), {"lev": "z"}, {}, ("time", "lat", "lon")),
     ],
 )
-def test_infer_dims(dims: tuple[str, str, str], expected: tuple[str, str, str]) -> None:
-    obs, y, x, problems = infer_dims(dims, None, None, None)
+def test_infer_dims(
+    dims: tuple[str, ...],
+    roles: dict[str, str],
+    config: dict[str, str],
+    expected: tuple[str, str, str],
+) -> None:
+    obs, y, x, problems = infer_dims(
+        dims, config.get("obs"), config.get("y"), config.get("x"), roles
+    )
     assert problems == []
     assert (obs, y, x) == expected
+
+
+@pytest.mark.parametrize(
+    ("dims", "roles", "config", "hint"),
+    [
+        # no names, no coordinates: never (obs, y, x) by position
+        (("nj", "ni", "nt"), {}, {}, "`obs_dim: nt`"),
+        (("a", "b", "c"), {}, {}, "`obs_dim: c`"),
+        # two obs-like names: never a choice between them
+        (("time", "step", "lat", "lon"), {}, {}, "load.obs_dim"),
+        # two CF time axes and no names
+        (("t1", "t2", "lat", "lon"), {"t1": "obs", "t2": "obs"}, {}, "load.obs_dim"),
+        # obs known, but three dims left for the map: never a guess
+        (("nt", "member", "nj", "ni"), {}, {"obs": "nt"}, "`y_dim: nj` and `x_dim: ni`"),
+        (("nt", "lev", "nj", "ni"), {"lev": "z"}, {}, "load.obs_dim"),
+    ],
+)
+def test_dims_that_cannot_be_told_are_refused_with_a_hint(
+    dims: tuple[str, ...], roles: dict[str, str], config: dict[str, str], hint: str
+) -> None:
+    sizes = {d: 3 + i for i, d in enumerate(dims)}
+    *found, problems = infer_dims(
+        dims, config.get("obs"), config.get("y"), config.get("x"), roles, sizes
+    )
+    assert found == ["", "", ""]
+    assert len(problems) == 1 and hint in problems[0], problems
+    shape = ", ".join(f"{d}={n}" for d, n in sizes.items())
+    assert f"the variable's dims are ({shape})" in problems[0]
+
+
+def test_cf_attributes_of_coordinate_variables_name_the_dims(ctx: Any, write_cube: Any) -> None:
+    """Coordinate variables that say what they are (CF 4) identify dims with any name."""
+    ds = make_ds(n_obs=7, ny=4, nx=3, dims=("d0", "d1", "d2"), datetime_obs=False)
+    ds = ds.transpose("d1", "d2", "d0")
+    ds["d0"].attrs.update(units="days since 2000-01-01")
+    ds["d1"].attrs.update(units="degrees_north")
+    ds["d2"].attrs.update(standard_name="longitude")
+    meta = run(NetCDFLoad(path=str(write_cube(ds, "cf.nc"))), {}, ctx).meta
+    assert (meta["obs_dim"], meta["y_dim"], meta["x_dim"]) == ("d0", "d1", "d2")
+
+
+def test_swath_without_coordinates_is_refused_then_runs_along_obs_dim(
+    ctx: Any, write_cube: Any
+) -> None:
+    """(nj, ni, nt), no coordinate variables: never nj as obs; with obs_dim: nt, fits along nt."""
+    rng = np.random.default_rng(1)
+    data = rng.random((8, 6, 5))
+    path = write_cube(xr.Dataset({"bt": (("nj", "ni", "nt"), data)}), "swath.nc")
+    with pytest.raises(ContractError) as err:
+        run(NetCDFLoad(path=str(path)), {}, ctx)
+    assert "(nj=8, ni=6, nt=5)" in str(err.value) and "`obs_dim: nt`" in str(err.value)
+    cfg = NetCDFLoad(path=str(path), obs_dim="nt")
+    meta = {**run(cfg, {}, ctx).meta, "source": locate(cfg, ctx)}
+    assert (meta["obs_dim"], meta["y_dim"], meta["x_dim"]) == ("nt", "nj", "ni")
+    assert (meta["n_obs"], meta["ny"], meta["nx"]) == (5, 8, 6)
+    block = read_block(meta, "cube", Tile(index=0, y0=0, y1=8, x0=0, x1=6))
+    np.testing.assert_array_equal(block, data.transpose(2, 0, 1))
 
 
 def test_configured_dim_that_does_not_exist_is_named_with_suggestion() -> None:

@@ -1,0 +1,68 @@
+"""The load stage's edges through the command: dims never guessed, masking said aloud, file sets.
+
+Real subprocesses of `gridsolve run` / `gridsolve validate` on real NetCDF files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xarray as xr
+import yaml
+
+from tests.flows.test_cli import assert_clean_failure, gridsolve
+
+
+def _config(tmp_path: Path, load: dict[str, Any], name: str = "gridsolve.yaml") -> Path:
+    raw = {
+        "load": load,
+        "design": {"impl": "polynomial", "degree": 1},
+        "model": {"input_dim": 2, "hidden_dim": 1},
+        "write": {"path": "out.nc"},
+        "cache": {"root": "cache"},
+    }
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def _swath(tmp_path: Path) -> tuple[Path, np.ndarray]:
+    """``bt (nj, ni, nt)`` without coordinate variables: a line in nt at every pixel, plus noise."""
+    rng = np.random.default_rng(3)
+    t = np.arange(9.0)
+    slope = rng.normal(size=(7, 5))
+    data = 2.0 + slope[:, :, None] * t + 0.01 * rng.standard_normal((7, 5, 9))
+    path = tmp_path / "swath.nc"
+    xr.Dataset({"bt": (("nj", "ni", "nt"), data)}).to_netcdf(path)
+    return path, data
+
+
+def test_validate_refuses_dims_it_cannot_identify(tmp_path: Path) -> None:
+    path, _ = _swath(tmp_path)
+    res = gridsolve("validate", str(_config(tmp_path, {"path": str(path)})))
+    assert_clean_failure(res, "(nj=7, ni=5, nt=9)", "`obs_dim: nt`")
+    assert "config is valid" not in res.stdout
+    ok = gridsolve("validate", str(_config(tmp_path, {"path": str(path), "obs_dim": "nt"})))
+    assert ok.returncode == 0, ok.stderr
+    assert "config is valid" in ok.stdout
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("prefect_server")
+def test_run_refuses_dims_it_cannot_identify_and_fits_along_obs_dim(tmp_path: Path) -> None:
+    path, data = _swath(tmp_path)
+    res = gridsolve("run", str(_config(tmp_path, {"path": str(path)})))
+    assert_clean_failure(res, "cannot tell which dim is the observation dim", "`obs_dim: nt`")
+    assert not (tmp_path / "out.nc").exists()
+    ok = gridsolve("run", str(_config(tmp_path, {"path": str(path), "obs_dim": "nt"})))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    with xr.open_dataset(tmp_path / "out.nc") as out:
+        coef = out["coefficients"].transpose("coef", "nj", "ni").values
+        design = out["design"].values
+    assert design.shape == (9, 2) and coef.shape == (2, 7, 5)
+    # every pixel's series along nt, fitted with the design actually used
+    want = np.linalg.lstsq(design, data.reshape(35, 9).T, rcond=None)[0].reshape(2, 7, 5)
+    np.testing.assert_allclose(coef, want, rtol=1e-4, atol=1e-4)
