@@ -233,6 +233,7 @@ _OPENED: dict[tuple[tuple[str, ...], bool, str], xr.Dataset] = {}
 
 
 def _open_files(files: tuple[str, ...], obs_dim: str, raw: bool, options: str = "") -> xr.Dataset:
+    given = files
     opts = json.loads(options) if options else {}
     if any(remote.is_url(f) for f in files):
         files = tuple(local(f, opts) for f in files)  # per object version: a new one, a new path
@@ -243,14 +244,17 @@ def _open_files(files: tuple[str, ...], obs_dim: str, raw: bool, options: str = 
             while len(_OPENED) >= 4:
                 _OPENED.pop(next(iter(_OPENED))).close()
             parts: list[xr.Dataset] = []
+            counts: dict[str, MaskCount] = {}
             try:
                 for f in files:
-                    parts.append(_open_raw_file(f, chunks={}) if raw else _masked_file(f))
+                    parts.append(_open_raw_file(f, chunks={}) if raw else _masked_file(f, counts))
             except BaseException:
                 for part in parts:
                     part.close()
                 raise
             combined = filesets.concat(parts, range(len(parts)), obs_dim)
+            if not raw:
+                _SET_MASKS[given] = counts
 
             def close_parts(parts: list[xr.Dataset] = parts) -> None:
                 for part in parts:
@@ -380,57 +384,156 @@ def _read(da: xr.DataArray, what: str, path: Source) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- CF valid range
-# xarray's CF decoding masks _FillValue and missing_value but not valid_range,
-# valid_min or valid_max; those compare the STORED (packed) values, so they are
-# applied here on a raw read of the same selection, the way netCDF4's
-# auto-masking does.
+# xarray's CF decoding masks _FillValue and missing_value (on the stored values,
+# before unpacking, as CF 2.5.1 asks) but not valid_range, valid_min or
+# valid_max; those are applied here, on a raw read of the same selection.
+#
+# Which values they compare, precisely:
+# - CF 2.5.1: the missing values of a packed variable (scale_factor /
+#   add_offset) "are interpreted relative to the variable's external values
+#   (a.k.a. the packed values …)", checked before the transformation; CF 8.1:
+#   valid_min, valid_max and valid_range of packed data "must be of the same
+#   data type as the packed data" (the NUG's Appendix A says the same). So an
+#   attribute of the packed (stored) type is compared with the stored values.
+# - CF says nothing of an attribute of the unpacked type, the type of
+#   scale_factor / add_offset (CF 8.1: what packed data unpack to). Such
+#   attributes are written in physical units (`valid_range = 15.f, 25.f` on
+#   int16 °C): they are compared with the unpacked values, as netCDF-Java
+#   does. (netCDF4-python would cast 15., 25. to int16 and mask most values.)
+# - An attribute of any other type on packed data breaks CF 8.1: it is
+#   compared with the stored values, as CF 2.5.1 says, and said aloud.
+# - Unpacked data: stored and unpacked values are the same numbers; the
+#   attribute's values are compared as numbers, whatever their type.
+# valid_range wins over valid_min / valid_max; no range is implied by
+# _FillValue; with `_Unsigned = "true"` stored integers and bounds of their
+# type are read as unsigned. One warning per scan of the input (never per tile)
+# names the attribute, its values and the share of values it masked, when that
+# share is above MASK_WARN_FRACTION or the attribute's type breaks CF 8.1.
 _VALID_ATTRS = ("valid_range", "valid_min", "valid_max")
-_WARNED: set[str] = set()
+_PACKING = ("scale_factor", "add_offset")
+#: Masking by valid_* above this share of a variable's values is reported (1 %).
+MASK_WARN_FRACTION = 0.01
 
 
-def valid_bounds(attrs: Mapping[str, Any], stored: np.dtype) -> tuple[Any, Any] | None:
-    """(low, high) CF valid bounds on stored values of dtype ``stored``; None if none apply.
+@dataclass(frozen=True)
+class ValidRange:
+    """A variable's CF valid bounds, and whether they compare its unpacked values."""
 
-    As netCDF4's auto-masking: ``valid_range`` wins over ``valid_min`` /
-    ``valid_max``; an attribute whose value the stored dtype cannot hold
-    exactly (e.g. a valid_range written in unpacked units) is ignored, with a
-    warning; bounds are viewed as unsigned when ``_Unsigned`` is true.
+    lo: Any
+    hi: Any
+    #: compared with the unpacked (decoded) values, not the stored ones
+    unpacked: bool
+    #: the attribute(s) as written, e.g. "valid_range = [15.0, 25.0] (float32)"
+    text: str
+    #: which values it compares, and why (for the warning)
+    how: str
+    #: why the attribute's type is neither the packed nor the unpacked type ("" if it is one)
+    odd: str = ""
+
+
+def _attr_type(value: Any) -> np.dtype | None:
+    """The attribute's stored type; None for untyped values (Zarr's JSON attributes)."""
+    return value.dtype if isinstance(value, np.ndarray | np.generic) else None
+
+
+def _same_type(value: Any, dtype: np.dtype) -> bool:
+    kind = _attr_type(value)
+    if kind is None:  # JSON numbers: an integer matches integers, a float floats
+        return np.asarray(value).dtype.kind in ("iu" if dtype.kind in "iu" else "f")
+    return kind == dtype
+
+
+def valid_bounds(attrs: Mapping[str, Any], stored: np.dtype) -> ValidRange | None:
+    """The CF valid bounds a raw variable's ``attrs`` declare (see above); None if none apply.
+
+    ``attrs`` are the variable's attributes as stored (packing included),
+    ``stored`` its stored dtype.
     """
-
-    def exact(name: str) -> np.ndarray | None:
-        if name not in attrs:
-            return None
-        att = np.asarray(attrs[name])
-        try:
-            with np.errstate(all="ignore"), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                cast = att.astype(stored)
-                same = bool(((att == cast) | (np.isnan(att) & np.isnan(cast))).all())
-        except (TypeError, ValueError, OverflowError):
-            same = False
-        if not same:
-            note = f"{name} = {attrs[name]!r} is not a value of the stored dtype {stored}"
-            if note not in _WARNED:  # once per process, not once per tile
-                _WARNED.add(note)
-                log.warning("%s: ignored, as netCDF4 does", note)
-            return None
-        return cast.reshape(-1)
-
-    lo = hi = None
-    vr = exact("valid_range")
-    if vr is not None and vr.size == 2:
-        lo, hi = vr[0], vr[1]
+    if "valid_range" in attrs and np.asarray(attrs["valid_range"]).size == 2:
+        names = ["valid_range"]
+        lo, hi = np.asarray(attrs["valid_range"]).reshape(-1)
     else:
-        vmin, vmax = exact("valid_min"), exact("valid_max")
-        lo = vmin[0] if vmin is not None and vmin.size else None
-        hi = vmax[0] if vmax is not None and vmax.size else None
+        names = [n for n in ("valid_min", "valid_max") if n in attrs]
+        vmin = np.asarray(attrs.get("valid_min", [])).reshape(-1)
+        vmax = np.asarray(attrs.get("valid_max", [])).reshape(-1)
+        lo = vmin[0] if vmin.size else None
+        hi = vmax[0] if vmax.size else None
     if lo is None and hi is None:
         return None
-    if str(attrs.get("_Unsigned", "")).lower() == "true" and stored.kind == "i":
+    first = attrs[names[0]]
+    kind = _attr_type(first)
+    text = ", ".join(f"{n} = {_jsonable(attrs[n])}" for n in names)
+    text += f" ({kind})" if kind is not None else ""
+    packing = [attrs[k] for k in _PACKING if k in attrs]
+    unpacked_type = np.asarray(packing[0]).dtype if packing else None
+    if unpacked_type is None:
+        unpacked, odd, how = False, "", "compared with the values"
+    elif _same_type(first, stored):
+        unpacked, odd, how = False, "", "compared with the stored (packed) values (CF 2.5.1)"
+    elif _same_type(first, unpacked_type):
+        unpacked, odd = True, ""
+        how = (
+            "compared with the unpacked values (it has the type of scale_factor / add_offset, "
+            "so it is read in physical units)"
+        )
+    else:
+        unpacked = False
+        odd = f"its type is neither the packed {stored} nor the unpacked {unpacked_type}"
+        how = (
+            f"compared with the stored (packed) values (CF 2.5.1), but {odd} "
+            f"(CF 8.1 wants {stored})"
+        )
+    if not unpacked and str(attrs.get("_Unsigned", "")).lower() == "true" and stored.kind == "i":
         unsigned = np.dtype(f"u{stored.itemsize}")
-        lo = None if lo is None else np.asarray(lo, stored).view(unsigned)
-        hi = None if hi is None else np.asarray(hi, stored).view(unsigned)
-    return lo, hi
+        lo = None if lo is None else np.asarray(lo).astype(stored).view(unsigned)
+        hi = None if hi is None else np.asarray(hi).astype(stored).view(unsigned)
+    return ValidRange(lo, hi, unpacked, text, how, odd)
+
+
+@dataclass
+class MaskCount:
+    """How many of a variable's values its CF valid range masked, for one report per scan."""
+
+    bounds: ValidRange | None = None
+    masked: Any = 0
+    size: int = 0
+    #: the files of a set whose attributes differ from the first's
+    differ: int = 0
+
+    def add(self, bounds: ValidRange, masked: Any, size: int) -> None:
+        """Count one block (or file) masked by ``bounds``."""
+        if self.bounds is None:
+            self.bounds = bounds
+        elif bounds.text != self.bounds.text:
+            self.differ += 1
+        self.masked = self.masked + masked
+        self.size += size
+
+    def report(self, name: str) -> None:
+        """Warn (once) when the range masked more than MASK_WARN_FRACTION, or its type is odd."""
+        b = self.bounds
+        if b is None or not self.size:
+            return
+        counted = self.masked  # a file set's counts are lazy (dask): read the files now
+        masked = int(
+            counted.compute(scheduler="synchronous") if hasattr(counted, "compute") else counted
+        )
+        share = masked / self.size
+        if share <= MASK_WARN_FRACTION and not b.odd:
+            return
+        log.warning(
+            "variable %r: %s marks %.1f%% of its values missing (%d of %d), %s%s; check "
+            "the attribute if that is not meant",
+            name,
+            b.text,
+            100 * share,
+            masked,
+            self.size,
+            b.how,
+            f" (the first file's; {self.differ} other file(s) declare another range)"
+            if self.differ
+            else "",
+        )
 
 
 def _open_raw_file(path: str, chunks: dict[str, Any] | None = None) -> xr.Dataset:
@@ -451,12 +554,14 @@ def _values(
     select: Callable[[xr.DataArray], xr.DataArray],
     what: str,
     path: Source,
+    count: MaskCount | None = None,
 ) -> np.ndarray:
-    """Decoded values of ``select(da)``, stored values outside the CF valid range as NaN.
+    """Decoded values of ``select(da)``, values outside the CF valid range as NaN.
 
     ``da`` is a variable of a dataset opened by :func:`open_netcdf` (from
     ``path``). A variable that declares a valid range always comes back as
-    floats (integers as float64), masked or not.
+    floats (integers as float64), masked or not. ``count``, when given, counts
+    what the valid range masked.
     """
     values = _read(select(da), what, path)
     if len(path.files) > 1 or not any(k in da.attrs for k in _VALID_ATTRS):
@@ -464,36 +569,43 @@ def _values(
     raw_ds = path.open_selected(raw=True)
     try:
         raw_da = raw_ds[da.name]
-        raw = _read(select(raw_da), what, path)
         bounds = valid_bounds(raw_da.attrs, raw_da.dtype)
+        raw = None if bounds is None or bounds.unpacked else _read(select(raw_da), what, path)
     finally:
         path.close(raw_ds)
     if values.dtype.kind != "f":
         values = values.astype(np.float64)
     if bounds is None:
         return values
-    invalid = _outside(raw, raw_da.attrs, bounds)
+    invalid = _outside(values if raw is None else raw, raw_da.attrs, bounds)
+    if count is not None:
+        count.add(bounds, int(np.count_nonzero(invalid & ~np.isnan(values))), values.size)
     return np.where(invalid, np.nan, values).astype(values.dtype, copy=False)
 
 
-def _outside(raw: Any, attrs: Mapping[str, Any], bounds: tuple[Any, Any]) -> Any:
-    """Where stored values ``raw`` (numpy or dask) lie outside the valid ``bounds``."""
-    if str(attrs.get("_Unsigned", "")).lower() == "true" and raw.dtype.kind == "i":
-        raw = raw.view(f"u{raw.dtype.itemsize}")
-    lo, hi = bounds
-    invalid = raw != raw  # all False, of raw's kind (numpy or dask)
-    if lo is not None:
-        invalid = invalid | (raw < lo)
-    if hi is not None:
-        invalid = invalid | (raw > hi)
+def _outside(values: Any, attrs: Mapping[str, Any], bounds: ValidRange) -> Any:
+    """Where ``values`` (numpy or dask; stored, or unpacked) lie outside ``bounds``."""
+    unsigned = str(attrs.get("_Unsigned", "")).lower() == "true"
+    if not bounds.unpacked and unsigned and values.dtype.kind == "i":
+        values = values.view(f"u{values.dtype.itemsize}")
+    invalid = (values != values) & False  # all False, of values' kind (numpy or dask)
+    if bounds.lo is not None:
+        invalid = invalid | (values < bounds.lo)
+    if bounds.hi is not None:
+        invalid = invalid | (values > bounds.hi)
     return invalid
 
 
-def _masked_file(path: str) -> xr.Dataset:
+#: Per file set (the files as given): variable → what its valid ranges mask, lazily.
+_SET_MASKS: dict[tuple[str, ...], dict[str, MaskCount]] = {}
+
+
+def _masked_file(path: str, counts: dict[str, MaskCount] | None = None) -> xr.Dataset:
     """One file of a set, decoded and dask-backed, values outside its own valid range NaN.
 
     Each file may declare its own packing and valid range (in its stored
     units), so the mask is made per file, before the files are combined.
+    ``counts`` gathers (lazily) what each variable's range masks.
     """
     ds = open_netcdf(path, chunks={})
     raw = _open_raw_file(path, chunks={})
@@ -501,12 +613,13 @@ def _masked_file(path: str) -> xr.Dataset:
         bounds = valid_bounds(raw[name].attrs, raw[name].dtype)
         if bounds is None or not any(k in ds[name].attrs for k in _VALID_ATTRS):
             continue
-        invalid = _outside(raw[name].data, raw[name].attrs, bounds)
-        ds[name] = (
-            ds[name].astype(np.float64).where(~invalid)
-            if ds[name].dtype.kind != "f"
-            else (ds[name].where(~invalid))
-        )
+        decoded = ds[name].astype(np.float64) if ds[name].dtype.kind != "f" else ds[name]
+        compared = decoded.data if bounds.unpacked else raw[name].data
+        invalid = _outside(compared, raw[name].attrs, bounds)
+        if counts is not None:
+            masked = (invalid & ~np.isnan(decoded.data)).sum()
+            counts.setdefault(str(name), MaskCount()).add(bounds, masked, int(decoded.size))
+        ds[name] = decoded.where(~invalid)
     return ds
 
 
@@ -807,8 +920,10 @@ def _stream(
     """Hash ``da``'s values (as tiles read them) block by block along its first dim.
 
     Also counts NaN, inf, negative and positive values, finds the first inf and
-    the largest finite magnitude, and feeds the gap patterns.
+    the largest finite magnitude, feeds the gap patterns, and counts what the
+    valid range masked (``"valid"``, a :class:`MaskCount`).
     """
+    count = MaskCount()
     n0 = da.shape[0]
     row_bytes = max(1, int(np.prod(da.shape[1:], dtype=np.int64)) * da.dtype.itemsize)
     step = max(1, _BLOCK_BYTES // row_bytes)
@@ -818,7 +933,7 @@ def _stream(
     abs_max = 0.0
     for start in range(0, n0, step):
         rows = {da.dims[0]: slice(start, start + step)}
-        block = _values(da, functools.partial(xr.DataArray.isel, indexers=rows), what, path)
+        block = _values(da, functools.partial(xr.DataArray.isel, indexers=rows), what, path, count)
         hasher.update(block)
         if patterns is not None:
             patterns.update(block, start)
@@ -847,6 +962,7 @@ def _stream(
         "positive": pos,
         "abs_max": abs_max,
         "size": int(da.size),
+        "valid": count,
     }
 
 
@@ -903,6 +1019,7 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: Source, var: str) -> Scan:
     cube = _cube(config, ds, var)
     aux = _aux_info(config, ds, cube)
     digests, stats, patterns = _hash_variables(ds, cube, aux, path)
+    _report_masking(cube, aux, stats, path)
     arrays, coord_attrs, coord_cf, coord_digests = _read_coords(ds, cube, path)
     _check_values(config, cube, stats, arrays["obs"])
     digests.update(coord_digests)
@@ -932,6 +1049,24 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: Source, var: str) -> Scan:
     digest = hash_text(canonical_json(digests))
     meta["content_hash"] = digest
     return Scan(digest=digest, output=StageOutput(arrays=arrays, meta=meta))
+
+
+def _report_masking(
+    cube: _Cube,
+    aux: Mapping[str, Mapping[str, Any]],
+    stats: Mapping[str, Mapping[str, Any]],
+    path: Source,
+) -> None:
+    """One warning per selected variable whose valid range masked much, or has an odd type.
+
+    A file set's counts cover its whole files (they are masked file by file).
+    """
+    selected = {"cube": cube.name, **{role: str(info["name"]) for role, info in aux.items()}}
+    sets = _SET_MASKS.get(path.files, {}) if len(path.files) > 1 else {}
+    for role, name in selected.items():
+        count = sets.get(name) if len(path.files) > 1 else stats[role]["valid"]
+        if count is not None:
+            count.report(name)
 
 
 def _cube_name(config: NetCDFLoad, ds: xr.Dataset) -> str:

@@ -66,3 +66,33 @@ def test_run_refuses_dims_it_cannot_identify_and_fits_along_obs_dim(tmp_path: Pa
     # every pixel's series along nt, fitted with the design actually used
     want = np.linalg.lstsq(design, data.reshape(35, 9).T, rcond=None)[0].reshape(2, 7, 5)
     np.testing.assert_allclose(coef, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("prefect_server")
+def test_run_says_what_a_valid_range_masked_once(tmp_path: Path) -> None:
+    """valid_range 15., 25. (float32) on packed int16 °C: physical units, and said aloud once."""
+    rng = np.random.default_rng(5)
+    celsius = 20 + 6 * rng.standard_normal((10, 6, 8))
+    stored = np.round((celsius - 20) / 0.01).astype(np.int16)
+    attrs = {
+        "scale_factor": np.float32(0.01),
+        "add_offset": np.float32(20.0),
+        "valid_range": np.array([15.0, 25.0], np.float32),
+    }
+    path = tmp_path / "sst.nc"
+    xr.Dataset(
+        {"sst": (("time", "lat", "lon"), stored, attrs)}, coords={"time": np.arange(10.0)}
+    ).to_netcdf(path)
+    unpacked = stored * np.float64(np.float32(0.01)) + np.float64(np.float32(20.0))
+    outside = (unpacked < 15) | (unpacked > 25)
+    cfg = _config(tmp_path, {"path": str(path), "obs_dim": "time"})
+    res = gridsolve("run", str(cfg), "--set", "execution.memory_budget=64KiB")
+    assert res.returncode == 0, res.stderr[-3000:]
+    text = res.stdout + res.stderr
+    share = f"marks {100 * outside.mean():.1f}% of its values missing ({outside.sum()} of 480)"
+    assert text.count(share) == 1, text[-3000:]
+    assert "valid_range = [15.0, 25.0] (float32)" in text
+    with xr.open_dataset(tmp_path / "out.nc") as out:
+        n_valid = out["n_valid"].transpose("lat", "lon").values
+    np.testing.assert_array_equal(n_valid, (~outside).sum(axis=0))

@@ -9,6 +9,7 @@ against a single-file run that xarray itself wrote from the same dataset.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import random
 import shutil
@@ -589,6 +590,31 @@ def test_packed_files_each_decoded_with_their_own_attributes(
     want = base["sig"].copy(data=oracle)
     out = pipeline(ctx, tmp_path, str(tmp_path / "data" / "z-*.nc"), "packed.nc")
     check_against_lstsq(out, want)
+
+
+def test_a_file_sets_valid_range_masking_is_reported_once(
+    ctx: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each file's own valid_min masks 30 % / 5 %: one warning for the set, with its count."""
+    base = cube()
+    paths = []
+    for i, (a, b) in enumerate(itertools.pairwise(SPLITS[:3])):
+        path = tmp_path / "data" / f"v-{i}.nc"
+        path.parent.mkdir(exist_ok=True)
+        _packed(base.isel(time=slice(a, b)), 0.001, 2.0, 30.0 if i == 0 else 5.0).to_netcdf(path)
+        paths.append(path)
+    nan_before = int(np.isnan(base["sig"].values[: SPLITS[2]]).sum())
+    masked = int(np.isnan(_netcdf4_cube(paths)).sum()) - nan_before
+    cfg = NetCDFLoad(path=str(tmp_path / "data" / "v-*.nc"))
+    with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
+        out = run(cfg, {}, ctx)
+        meta = {**out.meta, SOURCE: locate(cfg, ctx)}
+        read_block(meta, "cube", Tile(index=0, y0=0, y1=N_Y, x0=0, x1=N_X))
+    assert out.meta["nan_count"] == nan_before + masked
+    warned = [r.getMessage() for r in caplog.records if "marks" in r.getMessage()]
+    assert len(warned) == 1, warned
+    size = SPLITS[2] * N_M * N_Y * N_X
+    assert f"({masked} of {size})" in warned[0] and "1 other file(s) declare" in warned[0]
 
 
 def test_first_file_lacking_the_cube_without_load_variable(ctx: Any, tmp_path: Path) -> None:

@@ -278,31 +278,88 @@ def _netcdf4_masked(path: Path) -> np.ndarray:
         ({"valid_min": np.int16(-32767)}, True),
         ({"valid_range": np.array([-32767, 32767], np.int16)}, True),
         ({"valid_max": np.int16(30000)}, False),  # the sentinel is below it: valid
-        # in unpacked units: not a value of int16, so ignored (as netCDF4 does)
-        ({"valid_range": np.array([-30.5, 40.5], np.float32)}, False),
     ],
 )
 def test_cf_valid_range_masks_packed_values(
     chain: Chain,
     write_cube: Any,
     caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
     valid: dict[str, Any],
     masked: bool,
 ) -> None:
-    monkeypatch.setattr("gridsolve.stages.load.netcdf._WARNED", set())
     path = write_cube(_packed(make_ds(), -32768, **valid), "packed.nc")
     oracle = _netcdf4_masked(path)
     assert np.isnan(oracle[3, 1, 2]) == masked and np.isnan(oracle).sum() == int(masked)
     with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
         chain.whole("load", NetCDFLoad(path=str(path)))
-    ignored = valid.get("valid_range", np.zeros(0, "i2")).dtype.kind == "f"
-    assert ("is not a value of the stored dtype int16" in caplog.text) == ignored
+    assert "marks" not in caplog.text  # one value of 360 masked: below 1 %, not worth a word
     meta = chain.refs["load"].meta
     assert meta["nan_count"] == int(masked)  # the stats see the mask
     block = read_block(meta, "cube", Tile(index=0, y0=0, y1=6, x0=0, x1=5))
     np.testing.assert_array_equal(np.isnan(block), np.isnan(oracle))
     np.testing.assert_allclose(block, oracle, rtol=1e-6, equal_nan=True)
+
+
+def _temperature(vr: np.ndarray) -> tuple[xr.Dataset, np.ndarray]:
+    """Packed int16 temperature (°C, scale 0.01 float32, offset 20) with ``valid_range = vr``.
+
+    Also the unpacked values, as float64.
+    """
+    rng = np.random.default_rng(4)
+    celsius = 20 + 6 * rng.standard_normal((12, 6, 5))
+    stored = np.round((celsius - 20) / 0.01).astype(np.int16)
+    attrs = {"scale_factor": np.float32(0.01), "add_offset": np.float32(20.0), "valid_range": vr}
+    ds = make_ds().assign(signal=(("time", "y", "x"), stored, attrs))
+    return ds, stored * np.float64(np.float32(0.01)) + np.float64(np.float32(20.0))
+
+
+def test_valid_range_of_the_unpacked_type_compares_unpacked_values(
+    chain: Chain, write_cube: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """valid_range 15., 25. (float32, scale_factor's type) on int16 data: physical units."""
+    ds, celsius = _temperature(np.array([15.0, 25.0], np.float32))
+    path = write_cube(ds, "unpacked-range.nc")
+    with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
+        chain.whole("load", NetCDFLoad(path=str(path)))
+        meta = chain.refs["load"].meta
+        for y0 in range(6):  # tile reads never repeat the warning
+            block = read_block(meta, "cube", Tile(index=y0, y0=y0, y1=y0 + 1, x0=0, x1=5))
+            outside = (celsius[:, y0 : y0 + 1] < 15) | (celsius[:, y0 : y0 + 1] > 25)
+            np.testing.assert_array_equal(np.isnan(block), outside)
+    outside = (celsius < 15) | (celsius > 25)
+    assert meta["nan_count"] == int(outside.sum()) and 0.2 < outside.mean() < 0.5
+    warned = [r.getMessage() for r in caplog.records if "marks" in r.getMessage()]
+    assert len(warned) == 1, warned
+    share = f"{100 * outside.mean():.1f}% of its values missing ({outside.sum()} of 360)"
+    assert "valid_range = [15.0, 25.0] (float32)" in warned[0] and share in warned[0]
+    assert "compared with the unpacked values" in warned[0]
+
+
+def test_valid_range_of_another_type_compares_stored_values_and_says_so(
+    chain: Chain, write_cube: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """float64 on int16 packed to float32: CF 8.1 is broken; CF 2.5.1 decides, aloud."""
+    ds, celsius = _temperature(np.array([15.0, 25.0], np.float64))
+    path = write_cube(ds, "odd-range.nc")
+    stored = np.round((celsius - 20) / 0.01)
+    with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
+        chain.whole("load", NetCDFLoad(path=str(path)))
+    outside = (stored < 15) | (stored > 25)
+    assert chain.refs["load"].meta["nan_count"] == int(outside.sum())
+    warned = [r.getMessage() for r in caplog.records if "marks" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "valid_range = [15.0, 25.0] (float64)" in warned[0]
+    assert "neither the packed int16 nor the unpacked float32" in warned[0]
+
+
+def test_odd_typed_valid_range_is_reported_even_when_it_masks_little(
+    chain: Chain, write_cube: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    ds, _ = _temperature(np.array([-32000, 32000], np.int32))
+    with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
+        chain.whole("load", NetCDFLoad(path=str(write_cube(ds, "i4-range.nc"))))
+    assert "marks 0.0% of its values missing (0 of 360)" in caplog.text
+    assert "neither the packed int16 nor the unpacked float32" in caplog.text
 
 
 def test_content_hash_sees_masked_values(ctx: Any, write_cube: Any) -> None:
