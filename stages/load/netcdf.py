@@ -113,12 +113,60 @@ def open_netcdf(
                 p, engine="netcdf4", cache=False, decode_timedelta=False, chunks=chunks
             )
     except Exception as exc:
+        times = _undecodable_times(p, stage, exc)
+        if times is not None:
+            raise times from exc
         raise InputError(
             f"input file {p} is corrupt or truncated and cannot be opened",
             stage=stage,
             found=f"{type(exc).__name__}: {exc}",
             fix="re-create or re-download the file",
         ) from exc
+
+
+#: Time units of variable length: CF 4.4 (udunits) makes them fixed lengths, a month
+#: 30.436875 days and a year 365.242198781 days, which is rarely what a file means.
+_CALENDAR_UNITS = ("month", "months", "year", "years", "common_year", "common_years")
+
+
+def _undecodable_times(p: Path, stage: str, exc: Exception) -> InputError | None:
+    """The InputError for a file that opens but whose times cannot be decoded; None if corrupt."""
+    try:
+        with _OPEN_LOCK:
+            raw = xr.open_dataset(p, engine="netcdf4", cache=False, decode_times=False)
+    except Exception:
+        return None  # it does not open at all: corrupt or truncated
+    try:
+        found = [
+            (str(name), str(v.attrs["units"]), str(v.attrs.get("calendar", "standard")))
+            for name, v in raw.variables.items()
+            if " since " in str(v.attrs.get("units", ""))
+        ]
+    finally:
+        raw.close()
+    variable = [f for f in found if f[1].split(" since ")[0].strip().lower() in _CALENDAR_UNITS]
+    if variable:
+        name, units, calendar = variable[0]
+        return InputError(
+            f"the times in {p} cannot be decoded: {name!r} is in {units!r} "
+            f"(calendar {calendar!r}), a unit of variable length",
+            stage=stage,
+            expected="time units of fixed length: days, hours, minutes or seconds since a date",
+            found=f"units {units!r}, calendar {calendar!r}: xarray and cftime decode months "
+            "and years only in the 360_day calendar",
+            fix=f"rewrite {name!r} in days since a date (e.g. cdo settunits,days, or in xarray: "
+            f"open with decode_times=False, turn the month numbers into dates, and write "
+            f"them back); CF's month is a fixed 30.436875 days, not a calendar month",
+        )
+    if not found:
+        return None
+    name, units, calendar = found[0]
+    return InputError(
+        f"the times in {p} cannot be decoded",
+        stage=stage,
+        found=f"{name!r} in {units!r} (calendar {calendar!r}): {type(exc).__name__}: {exc}",
+        fix=f"correct the units / calendar attributes of {name!r} (CF 4.4)",
+    )
 
 
 # ---------------------------------------------------------------- selection

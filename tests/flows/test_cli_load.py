@@ -96,3 +96,17 @@ def test_run_says_what_a_valid_range_masked_once(tmp_path: Path) -> None:
     with xr.open_dataset(tmp_path / "out.nc") as out:
         n_valid = out["n_valid"].transpose("lat", "lon").values
     np.testing.assert_array_equal(n_valid, (~outside).sum(axis=0))
+
+
+def test_validate_names_months_since_instead_of_calling_the_file_corrupt(tmp_path: Path) -> None:
+    ds = xr.Dataset(
+        {"sst": (("time", "lat", "lon"), np.zeros((6, 2, 3)))},
+        coords={"time": ("time", np.arange(6), {"units": "months since 1981-01-01"})},
+    )
+    path = tmp_path / "monthly.nc"
+    ds.to_netcdf(path)
+    res = gridsolve("validate", str(_config(tmp_path, {"path": str(path)})))
+    assert_clean_failure(
+        res, "'time' is in 'months since 1981-01-01'", "a unit of variable length", "days since"
+    )
+    assert "re-download" not in res.stderr

@@ -423,3 +423,33 @@ def test_design_labels_are_part_of_the_content(ctx: Any, write_cube: Any) -> Non
     assert (cols_abc, cols_xyz) == (["a", "b", "c"], ["x", "y", "z"])
     assert key_abc != key_xyz
     assert load(["a", "b", "c"], "abc-again.nc")[0] == key_abc
+
+
+@pytest.mark.parametrize("units", ["months since 2000-01-01", "years since 1990-1-1"])
+def test_calendar_time_units_are_named_not_called_corrupt(
+    ctx: Any, write_cube: Any, units: str
+) -> None:
+    ds = make_ds(datetime_obs=False).assign_coords(time=np.arange(12.0))
+    ds["time"].attrs.update(units=units)
+    path = write_cube(ds, "months.nc")
+    with pytest.raises(InputError) as err:
+        run(NetCDFLoad(path=str(path)), {}, ctx)
+    text = str(err.value)
+    assert f"'time' is in {units!r} (calendar 'standard'), a unit of variable length" in text
+    assert "rewrite 'time' in days since a date" in text
+    assert "corrupt" not in text and "re-download" not in text
+
+
+def test_months_in_the_360_day_calendar_are_read(ctx: Any, write_cube: Any) -> None:
+    """cftime decodes months in the 360_day calendar (each month 30 days): those run."""
+    ds = make_ds(datetime_obs=False).assign_coords(time=np.arange(12.0))
+    ds["time"].attrs.update(units="months since 2000-01-01", calendar="360_day")
+    meta = run(NetCDFLoad(path=str(write_cube(ds, "m360.nc"))), {}, ctx).meta
+    assert meta["obs_dim"] == "time" and meta["n_obs"] == 12
+
+
+def test_a_truncated_file_is_still_called_corrupt(ctx: Any, cube_path: Path) -> None:
+    data = cube_path.read_bytes()
+    cube_path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match="corrupt or truncated"):
+        run(NetCDFLoad(path=str(cube_path)), {}, ctx)
