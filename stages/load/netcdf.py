@@ -303,6 +303,17 @@ def _open_files(files: tuple[str, ...], obs_dim: str, raw: bool, options: str = 
             combined = filesets.concat(parts, range(len(parts)), obs_dim)
             if not raw:
                 _SET_MASKS[given] = counts
+            # Interleaved files are read in observation order; raw reads take the order of
+            # the decoded times (raw numbers may count from another date in each file).
+            obs = combined[obs_dim].values if not raw else _decoded_obs(files, obs_dim)
+            sort = filesets.obs_sort(np.asarray(obs))
+            if sort is not None:
+                from dask.array import PerformanceWarning
+
+                with warnings.catch_warnings():
+                    # dask warns that the out-of-order take makes more chunks: it must
+                    warnings.simplefilter("ignore", PerformanceWarning)
+                    combined = combined.isel({obs_dim: sort})
 
             def close_parts(parts: list[xr.Dataset] = parts) -> None:
                 for part in parts:
@@ -313,6 +324,15 @@ def _open_files(files: tuple[str, ...], obs_dim: str, raw: bool, options: str = 
             combined.set_close(close_parts)
             _OPENED[key] = combined
         return _OPENED[key]
+
+
+def _decoded_obs(files: tuple[str, ...], obs_dim: str) -> np.ndarray:
+    """The files' decoded obs coordinates, one after the other."""
+    values = []
+    for f in files:
+        with open_netcdf(f, chunks={}) as ds:
+            values.append(np.asarray(ds[obs_dim].values))
+    return np.concatenate(values)
 
 
 def _as_slice(positions: tuple[int, ...]) -> slice | list[int]:

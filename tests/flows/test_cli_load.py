@@ -110,3 +110,27 @@ def test_validate_names_months_since_instead_of_calling_the_file_corrupt(tmp_pat
         res, "'time' is in 'months since 1981-01-01'", "a unit of variable length", "days since"
     )
     assert "re-download" not in res.stderr
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("prefect_server")
+def test_run_combines_interleaved_files_in_time_order(tmp_path: Path) -> None:
+    """Odd months in one file, even months in the other, given as a list: one series."""
+    rng = np.random.default_rng(6)
+    time = np.array([f"2001-{m:02d}-15" for m in range(1, 13)], dtype="datetime64[ns]")
+    data = 10 + 0.1 * np.arange(12)[:, None, None] + rng.normal(size=(12, 3, 4))
+    ds = xr.Dataset(
+        {"sst": (("time", "lat", "lon"), data)},
+        coords={"time": time, "lat": [0.0, 1.0, 2.0], "lon": [0.0, 1.0, 2.0, 3.0]},
+    )
+    odd, even = tmp_path / "odd.nc", tmp_path / "even.nc"
+    ds.isel(time=slice(0, None, 2)).to_netcdf(odd)
+    ds.isel(time=slice(1, None, 2)).to_netcdf(even)
+    res = gridsolve("run", str(_config(tmp_path, {"path": [str(even), str(odd)]})))
+    assert res.returncode == 0, res.stderr[-3000:]
+    with xr.open_dataset(tmp_path / "out.nc") as out:
+        np.testing.assert_array_equal(out["time"].values, time)
+        coef = out["coefficients"].transpose("coef", "lat", "lon").values
+        design = out["design"].values
+    want = np.linalg.lstsq(design, data.reshape(12, 12), rcond=None)[0].reshape(2, 3, 4)
+    np.testing.assert_allclose(coef, want, rtol=1e-4, atol=1e-4)

@@ -363,6 +363,39 @@ def test_overlapping_files_are_refused(ctx: Any, tmp_path: Path) -> None:
     assert list((tmp_path / "out-fail").iterdir()) == []
 
 
+def test_interleaved_files_are_combined_in_observation_order(ctx: Any, tmp_path: Path) -> None:
+    """Odd days in one file, even days in another: every observation once, so in time order."""
+    base = cube()
+    folder = tmp_path / "data"
+    folder.mkdir()
+    base.isel(time=slice(0, None, 2)).to_netcdf(folder / "even.nc")
+    odd = base.isel(time=slice(1, None, 2))
+    # the odd file counts its times from another date: raw numbers differ, times do not
+    odd["time"].encoding.update(units="hours since 2019-12-25")
+    odd.to_netcdf(folder / "odd.nc")
+    out = pipeline(ctx, tmp_path, str(folder / "*.nc"), "interleaved.nc")
+    np.testing.assert_array_equal(out["time"].values, base["time"].values)
+    check_against_lstsq(out, base["sig"])
+    cfg = NetCDFLoad(path=str(folder / "*.nc"), variable="sig")
+    meta = {**run(cfg, {}, ctx).meta, SOURCE: locate(cfg, ctx)}
+    block = read_block(meta, "cube", Tile(index=0, y0=0, y1=N_Y, x0=0, x1=N_X))
+    want = base["sig"].isel(member=0).transpose("time", "lat", "lon").values
+    np.testing.assert_array_equal(block, want)
+
+
+def test_an_observation_in_two_interleaved_files_is_named(ctx: Any, tmp_path: Path) -> None:
+    base = cube()
+    folder = tmp_path / "data"
+    folder.mkdir()
+    base.isel(time=slice(0, None, 2)).to_netcdf(folder / "even.nc")
+    base.isel(time=[1, 3, 6, 7]).to_netcdf(folder / "odd.nc")  # time 6 is in both
+    with pytest.raises(ContractError) as err:
+        fail_pipeline(ctx, tmp_path, str(folder / "*.nc"))
+    text = _message(err)
+    assert "overlap along 'time'" in text and "time = 2020-01-07" in text
+    assert str(folder / "even.nc") in text and str(folder / "odd.nc") in text
+
+
 def test_files_on_different_grids_are_refused(ctx: Any, tmp_path: Path) -> None:
     paths = write_parts(cube(), tmp_path / "data")
     shifted = cube().isel(time=slice(SPLITS[3], SPLITS[4]))
