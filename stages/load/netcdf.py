@@ -302,6 +302,8 @@ def _open_files(files: tuple[str, ...], obs_dim: str, raw: bool, options: str = 
                 raise
             combined = filesets.concat(parts, range(len(parts)), obs_dim)
             if not raw:
+                while len(_SET_MASKS) >= 8:
+                    _SET_MASKS.pop(next(iter(_SET_MASKS)))
                 _SET_MASKS[given] = counts
             # Interleaved files are read in observation order; raw reads take the order of
             # the decoded times (raw numbers may count from another date in each file).
@@ -551,10 +553,11 @@ def valid_bounds(attrs: Mapping[str, Any], stored: np.dtype) -> ValidRange | Non
             f"compared with the stored (packed) values (CF 2.5.1), but {odd} "
             f"(CF 8.1 wants {stored})"
         )
-    if not unpacked and str(attrs.get("_Unsigned", "")).lower() == "true" and stored.kind == "i":
-        unsigned = np.dtype(f"u{stored.itemsize}")
-        lo = None if lo is None else np.asarray(lo).astype(stored).view(unsigned)
-        hi = None if hi is None else np.asarray(hi).astype(stored).view(unsigned)
+    unsigned = str(attrs.get("_Unsigned", "")).lower() == "true" and stored.kind == "i"
+    if unsigned and _same_type(first, stored):  # bounds written as the signed stored type
+        as_unsigned = np.dtype(f"u{stored.itemsize}")
+        lo = None if lo is None else np.asarray(lo).astype(stored).view(as_unsigned)
+        hi = None if hi is None else np.asarray(hi).astype(stored).view(as_unsigned)
     return ValidRange(lo, hi, unpacked, text, how, odd)
 
 

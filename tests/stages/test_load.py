@@ -453,3 +453,17 @@ def test_a_truncated_file_is_still_called_corrupt(ctx: Any, cube_path: Path) -> 
     cube_path.write_bytes(data[: len(data) // 2])
     with pytest.raises(InputError, match="corrupt or truncated"):
         run(NetCDFLoad(path=str(cube_path)), {}, ctx)
+
+
+def test_unsigned_bytes_compare_their_valid_max_as_unsigned(chain: Chain, write_cube: Any) -> None:
+    """_Unsigned int8: valid_max stored as int8 -56 means 200; 250 (stored -6) is masked."""
+    ds = make_ds()
+    stored = np.full(ds["signal"].shape, 100, np.uint8)
+    stored[2, 1, 1] = 250
+    attrs = {"_Unsigned": "true", "valid_max": np.int8(-56)}
+    ds = ds.assign(signal=(ds["signal"].dims, stored.view(np.int8), attrs))
+    chain.whole("load", NetCDFLoad(path=str(write_cube(ds, "u8.nc"))))
+    meta = chain.refs["load"].meta
+    block = read_block(meta, "cube", Tile(index=0, y0=0, y1=6, x0=0, x1=5))
+    assert meta["nan_count"] == 1 and np.isnan(block[2, 1, 1])
+    assert np.nansum(block) == 100 * (block.size - 1)
