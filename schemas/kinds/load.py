@@ -75,11 +75,22 @@ class NetCDFLoad(LoadConfig):
         None, description="Data variable holding the cube; inferred when the file has exactly one."
     )
     obs_dim: str | None = Field(
-        None, description="Observation dimension (time, band); inferred when omitted."
+        None,
+        description="Observation dimension (time, band); when omitted, told from the CF "
+        "attributes of its coordinate variable (axis T, standard_name time, time units) or its "
+        "name, never from its position: a cube whose dims say nothing is refused.",
     )
-    y_dim: str | None = Field(None, description="Row dimension; inferred (y, lat, latitude, row).")
+    y_dim: str | None = Field(
+        None,
+        description="Row dimension of the map; when omitted, told from CF attributes (axis Y, "
+        "degrees_north) or names (y, lat, latitude, row), or, with obs known, the first of the "
+        "two dims left.",
+    )
     x_dim: str | None = Field(
-        None, description="Column dimension; inferred (x, lon, longitude, col)."
+        None,
+        description="Column dimension of the map; when omitted, told from CF attributes (axis X, "
+        "degrees_east) or names (x, lon, longitude, col), or, with obs known, the second of the "
+        "two dims left.",
     )
     design: str | None = Field(
         None, description="Variable with dims (obs, coef) to use as the design matrix."

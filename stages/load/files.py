@@ -4,7 +4,8 @@
 paths (each may be a glob), or a Zarr store (a folder). Several NetCDF files
 are combined along the observation dim by its coordinate, like
 ``xarray.open_mfdataset(combine="by_coords")``, after checking that they share
-the grid and do not overlap.
+the grid and that no observation is in two files; files whose observations
+interleave are combined in observation order.
 
 The cache key of a file set covers the bytes of every file, in the order the
 cube uses them. Each file's digest is kept on disk against its identity
@@ -18,7 +19,6 @@ timestamps it could change again without changing its identity.
 from __future__ import annotations
 
 import glob
-import itertools
 import json
 import os
 import threading
@@ -227,10 +227,12 @@ def check_holds(
 def combine(
     datasets: Sequence[xr.Dataset], files: Sequence[str], var: str, obs_dim: str
 ) -> tuple[xr.Dataset, list[int]]:
-    """The files' datasets as one, along ``obs_dim`` in coordinate order, and that order.
+    """The files' datasets as one, along ``obs_dim`` in coordinate order, and the files' order.
 
+    Files are ordered by their first observation; files whose observations
+    interleave are combined in observation order (:func:`obs_sort`).
     ContractError naming the files if one lacks the cube, their grids differ,
-    or their observations overlap.
+    or an observation is in two files.
     """
     check_holds(datasets, files, var, obs_dim)
     missing = [f for f, ds in zip(files, datasets, strict=True) if obs_dim not in ds.coords]
@@ -279,17 +281,46 @@ def combine(
             violations=problems,
             fix="combine only files of the same grid (regrid the others first)",
         )
-    for a, b in itertools.pairwise(order):
-        end = np.asarray(datasets[a][obs_dim].values)[-1]
-        start = np.asarray(datasets[b][obs_dim].values)[0]
-        if not end < start:
-            raise ContractError(
-                f"input files overlap along {obs_dim!r}",
-                stage=STAGE,
-                found=f"{files[a]} ends at {end}, {files[b]} starts at {start}",
-                fix="list each observation in one file only (leave out duplicates)",
-            )
-    return concat(datasets, order, obs_dim), order
+    _check_disjoint(
+        [np.asarray(datasets[i][obs_dim].values) for i in order], [files[i] for i in order], obs_dim
+    )
+    combined = concat(datasets, order, obs_dim)
+    sort = obs_sort(np.asarray(combined[obs_dim].values))
+    return (combined if sort is None else combined.isel({obs_dim: sort})), order
+
+
+def _check_disjoint(values: Sequence[np.ndarray], files: Sequence[str], obs_dim: str) -> None:
+    """ContractError naming two files that hold the same observation (``values``: each file's)."""
+    stacked = np.concatenate(values)
+    owner = np.concatenate([np.full(len(v), i) for i, v in enumerate(values)])
+    order = np.argsort(stacked, kind="stable")
+    ranked, owners = stacked[order], owner[order]
+    same = np.flatnonzero((ranked[1:] == ranked[:-1]) & (owners[1:] != owners[:-1]))
+    if same.size:
+        k = int(same[0])
+        a, b = sorted((int(owners[k]), int(owners[k + 1])))
+        raise ContractError(
+            f"input files overlap along {obs_dim!r}",
+            stage=STAGE,
+            found=f"{obs_dim} = {ranked[k]} is in {files[a]} ({_span(values[a])}) and in "
+            f"{files[b]} ({_span(values[b])}); {int(same.size)} observation(s) are in two files",
+            fix="list each observation in one file only (leave out duplicates)",
+        )
+
+
+def obs_sort(values: np.ndarray) -> np.ndarray | None:
+    """Positions that put the combined files' obs ``values`` in order; None if they are.
+
+    Files whose observations interleave (odd months in one, even in the other)
+    are combined observation by observation: every value is in one file only
+    (:func:`combine` checks), so the order is unique.
+    """
+    if len(values) < 2:
+        return None
+    steps = values[1:] > values[:-1]
+    if bool(np.all(steps)):
+        return None
+    return np.argsort(values, kind="stable")
 
 
 def check_obs_encoding(datasets: Sequence[xr.Dataset], files: Sequence[str], obs_dim: str) -> None:

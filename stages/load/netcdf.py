@@ -113,12 +113,60 @@ def open_netcdf(
                 p, engine="netcdf4", cache=False, decode_timedelta=False, chunks=chunks
             )
     except Exception as exc:
+        times = _undecodable_times(p, stage, exc)
+        if times is not None:
+            raise times from exc
         raise InputError(
             f"input file {p} is corrupt or truncated and cannot be opened",
             stage=stage,
             found=f"{type(exc).__name__}: {exc}",
             fix="re-create or re-download the file",
         ) from exc
+
+
+#: Time units of variable length: CF 4.4 (udunits) makes them fixed lengths, a month
+#: 30.436875 days and a year 365.242198781 days, which is rarely what a file means.
+_CALENDAR_UNITS = ("month", "months", "year", "years", "common_year", "common_years")
+
+
+def _undecodable_times(p: Path, stage: str, exc: Exception) -> InputError | None:
+    """The InputError for a file that opens but whose times cannot be decoded; None if corrupt."""
+    try:
+        with _OPEN_LOCK:
+            raw = xr.open_dataset(p, engine="netcdf4", cache=False, decode_times=False)
+    except Exception:
+        return None  # it does not open at all: corrupt or truncated
+    try:
+        found = [
+            (str(name), str(v.attrs["units"]), str(v.attrs.get("calendar", "standard")))
+            for name, v in raw.variables.items()
+            if " since " in str(v.attrs.get("units", ""))
+        ]
+    finally:
+        raw.close()
+    variable = [f for f in found if f[1].split(" since ")[0].strip().lower() in _CALENDAR_UNITS]
+    if variable:
+        name, units, calendar = variable[0]
+        return InputError(
+            f"the times in {p} cannot be decoded: {name!r} is in {units!r} "
+            f"(calendar {calendar!r}), a unit of variable length",
+            stage=stage,
+            expected="time units of fixed length: days, hours, minutes or seconds since a date",
+            found=f"units {units!r}, calendar {calendar!r}: xarray and cftime decode months "
+            "and years only in the 360_day calendar",
+            fix=f"rewrite {name!r} in days since a date (e.g. cdo settunits,days, or in xarray: "
+            f"open with decode_times=False, turn the month numbers into dates, and write "
+            f"them back); CF's month is a fixed 30.436875 days, not a calendar month",
+        )
+    if not found:
+        return None
+    name, units, calendar = found[0]
+    return InputError(
+        f"the times in {p} cannot be decoded",
+        stage=stage,
+        found=f"{name!r} in {units!r} (calendar {calendar!r}): {type(exc).__name__}: {exc}",
+        fix=f"correct the units / calendar attributes of {name!r} (CF 4.4)",
+    )
 
 
 # ---------------------------------------------------------------- selection
@@ -233,6 +281,7 @@ _OPENED: dict[tuple[tuple[str, ...], bool, str], xr.Dataset] = {}
 
 
 def _open_files(files: tuple[str, ...], obs_dim: str, raw: bool, options: str = "") -> xr.Dataset:
+    given = files
     opts = json.loads(options) if options else {}
     if any(remote.is_url(f) for f in files):
         files = tuple(local(f, opts) for f in files)  # per object version: a new one, a new path
@@ -243,14 +292,30 @@ def _open_files(files: tuple[str, ...], obs_dim: str, raw: bool, options: str = 
             while len(_OPENED) >= 4:
                 _OPENED.pop(next(iter(_OPENED))).close()
             parts: list[xr.Dataset] = []
+            counts: dict[str, MaskCount] = {}
             try:
                 for f in files:
-                    parts.append(_open_raw_file(f, chunks={}) if raw else _masked_file(f))
+                    parts.append(_open_raw_file(f, chunks={}) if raw else _masked_file(f, counts))
             except BaseException:
                 for part in parts:
                     part.close()
                 raise
             combined = filesets.concat(parts, range(len(parts)), obs_dim)
+            if not raw:
+                while len(_SET_MASKS) >= 8:
+                    _SET_MASKS.pop(next(iter(_SET_MASKS)))
+                _SET_MASKS[given] = counts
+            # Interleaved files are read in observation order; raw reads take the order of
+            # the decoded times (raw numbers may count from another date in each file).
+            obs = combined[obs_dim].values if not raw else _decoded_obs(files, obs_dim)
+            sort = filesets.obs_sort(np.asarray(obs))
+            if sort is not None:
+                from dask.array import PerformanceWarning
+
+                with warnings.catch_warnings():
+                    # dask warns that the out-of-order take makes more chunks: it must
+                    warnings.simplefilter("ignore", PerformanceWarning)
+                    combined = combined.isel({obs_dim: sort})
 
             def close_parts(parts: list[xr.Dataset] = parts) -> None:
                 for part in parts:
@@ -261,6 +326,15 @@ def _open_files(files: tuple[str, ...], obs_dim: str, raw: bool, options: str = 
             combined.set_close(close_parts)
             _OPENED[key] = combined
         return _OPENED[key]
+
+
+def _decoded_obs(files: tuple[str, ...], obs_dim: str) -> np.ndarray:
+    """The files' decoded obs coordinates, one after the other."""
+    values = []
+    for f in files:
+        with open_netcdf(f, chunks={}) as ds:
+            values.append(np.asarray(ds[obs_dim].values))
+    return np.concatenate(values)
 
 
 def _as_slice(positions: tuple[int, ...]) -> slice | list[int]:
@@ -350,7 +424,9 @@ def resolve_selection(ds: xr.Dataset, var: str, config: NetCDFLoad, base: Source
         else:
             positions.append((dim, tuple(int(v) for v in values)))
     dropped = [d for d, p in positions if isinstance(p, int)]
-    obs, y, x, _ = infer_dims(tuple(dims), config.obs_dim, config.y_dim, config.x_dim)
+    obs, y, x, _ = infer_dims(
+        tuple(dims), config.obs_dim, config.y_dim, config.x_dim, cf_roles(ds[var])
+    )
     lost = [f"{role} dim {d!r}" for role, d in (("obs", obs), ("y", y), ("x", x)) if d in dropped]
     if lost:
         raise ContractError(
@@ -378,57 +454,157 @@ def _read(da: xr.DataArray, what: str, path: Source) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- CF valid range
-# xarray's CF decoding masks _FillValue and missing_value but not valid_range,
-# valid_min or valid_max; those compare the STORED (packed) values, so they are
-# applied here on a raw read of the same selection, the way netCDF4's
-# auto-masking does.
+# xarray's CF decoding masks _FillValue and missing_value (on the stored values,
+# before unpacking, as CF 2.5.1 asks) but not valid_range, valid_min or
+# valid_max; those are applied here, on a raw read of the same selection.
+#
+# Which values they compare, precisely:
+# - CF 2.5.1: the missing values of a packed variable (scale_factor /
+#   add_offset) "are interpreted relative to the variable's external values
+#   (a.k.a. the packed values …)", checked before the transformation; CF 8.1:
+#   valid_min, valid_max and valid_range of packed data "must be of the same
+#   data type as the packed data" (the NUG's Appendix A says the same). So an
+#   attribute of the packed (stored) type is compared with the stored values.
+# - CF says nothing of an attribute of the unpacked type, the type of
+#   scale_factor / add_offset (CF 8.1: what packed data unpack to). Such
+#   attributes are written in physical units (`valid_range = 15.f, 25.f` on
+#   int16 °C): they are compared with the unpacked values, as netCDF-Java
+#   does. (netCDF4-python would cast 15., 25. to int16 and mask most values.)
+# - An attribute of any other type on packed data breaks CF 8.1: it is
+#   compared with the stored values, as CF 2.5.1 says, and said aloud.
+# - Unpacked data: stored and unpacked values are the same numbers; the
+#   attribute's values are compared as numbers, whatever their type.
+# valid_range wins over valid_min / valid_max; no range is implied by
+# _FillValue; with `_Unsigned = "true"` stored integers and bounds of their
+# type are read as unsigned. One warning per scan of the input (never per tile)
+# names the attribute, its values and the share of values it masked, when that
+# share is above MASK_WARN_FRACTION or the attribute's type breaks CF 8.1.
 _VALID_ATTRS = ("valid_range", "valid_min", "valid_max")
-_WARNED: set[str] = set()
+_PACKING = ("scale_factor", "add_offset")
+#: Masking by valid_* above this share of a variable's values is reported (1 %).
+MASK_WARN_FRACTION = 0.01
 
 
-def valid_bounds(attrs: Mapping[str, Any], stored: np.dtype) -> tuple[Any, Any] | None:
-    """(low, high) CF valid bounds on stored values of dtype ``stored``; None if none apply.
+@dataclass(frozen=True)
+class ValidRange:
+    """A variable's CF valid bounds, and whether they compare its unpacked values."""
 
-    As netCDF4's auto-masking: ``valid_range`` wins over ``valid_min`` /
-    ``valid_max``; an attribute whose value the stored dtype cannot hold
-    exactly (e.g. a valid_range written in unpacked units) is ignored, with a
-    warning; bounds are viewed as unsigned when ``_Unsigned`` is true.
+    lo: Any
+    hi: Any
+    #: compared with the unpacked (decoded) values, not the stored ones
+    unpacked: bool
+    #: the attribute(s) as written, e.g. "valid_range = [15.0, 25.0] (float32)"
+    text: str
+    #: which values it compares, and why (for the warning)
+    how: str
+    #: why the attribute's type is neither the packed nor the unpacked type ("" if it is one)
+    odd: str = ""
+
+
+def _attr_type(value: Any) -> np.dtype | None:
+    """The attribute's stored type; None for untyped values (Zarr's JSON attributes)."""
+    return value.dtype if isinstance(value, np.ndarray | np.generic) else None
+
+
+def _same_type(value: Any, dtype: np.dtype) -> bool:
+    kind = _attr_type(value)
+    if kind is None:  # JSON numbers: an integer matches integers, a float floats
+        return np.asarray(value).dtype.kind in ("iu" if dtype.kind in "iu" else "f")
+    return kind == dtype
+
+
+def valid_bounds(attrs: Mapping[str, Any], stored: np.dtype) -> ValidRange | None:
+    """The CF valid bounds a raw variable's ``attrs`` declare (see above); None if none apply.
+
+    ``attrs`` are the variable's attributes as stored (packing included),
+    ``stored`` its stored dtype.
     """
-
-    def exact(name: str) -> np.ndarray | None:
-        if name not in attrs:
-            return None
-        att = np.asarray(attrs[name])
-        try:
-            with np.errstate(all="ignore"), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                cast = att.astype(stored)
-                same = bool(((att == cast) | (np.isnan(att) & np.isnan(cast))).all())
-        except (TypeError, ValueError, OverflowError):
-            same = False
-        if not same:
-            note = f"{name} = {attrs[name]!r} is not a value of the stored dtype {stored}"
-            if note not in _WARNED:  # once per process, not once per tile
-                _WARNED.add(note)
-                log.warning("%s: ignored, as netCDF4 does", note)
-            return None
-        return cast.reshape(-1)
-
-    lo = hi = None
-    vr = exact("valid_range")
-    if vr is not None and vr.size == 2:
-        lo, hi = vr[0], vr[1]
+    if "valid_range" in attrs and np.asarray(attrs["valid_range"]).size == 2:
+        names = ["valid_range"]
+        lo, hi = np.asarray(attrs["valid_range"]).reshape(-1)
     else:
-        vmin, vmax = exact("valid_min"), exact("valid_max")
-        lo = vmin[0] if vmin is not None and vmin.size else None
-        hi = vmax[0] if vmax is not None and vmax.size else None
+        names = [n for n in ("valid_min", "valid_max") if n in attrs]
+        vmin = np.asarray(attrs.get("valid_min", [])).reshape(-1)
+        vmax = np.asarray(attrs.get("valid_max", [])).reshape(-1)
+        lo = vmin[0] if vmin.size else None
+        hi = vmax[0] if vmax.size else None
     if lo is None and hi is None:
         return None
-    if str(attrs.get("_Unsigned", "")).lower() == "true" and stored.kind == "i":
-        unsigned = np.dtype(f"u{stored.itemsize}")
-        lo = None if lo is None else np.asarray(lo, stored).view(unsigned)
-        hi = None if hi is None else np.asarray(hi, stored).view(unsigned)
-    return lo, hi
+    first = attrs[names[0]]
+    kind = _attr_type(first)
+    text = ", ".join(f"{n} = {_jsonable(attrs[n])}" for n in names)
+    text += f" ({kind})" if kind is not None else ""
+    packing = [attrs[k] for k in _PACKING if k in attrs]
+    unpacked_type = np.asarray(packing[0]).dtype if packing else None
+    if unpacked_type is None:
+        unpacked, odd, how = False, "", "compared with the values"
+    elif _same_type(first, stored):
+        unpacked, odd, how = False, "", "compared with the stored (packed) values (CF 2.5.1)"
+    elif _same_type(first, unpacked_type):
+        unpacked, odd = True, ""
+        how = (
+            "compared with the unpacked values (it has the type of scale_factor / add_offset, "
+            "so it is read in physical units)"
+        )
+    else:
+        unpacked = False
+        odd = f"its type is neither the packed {stored} nor the unpacked {unpacked_type}"
+        how = (
+            f"compared with the stored (packed) values (CF 2.5.1), but {odd} "
+            f"(CF 8.1 wants {stored})"
+        )
+    unsigned = str(attrs.get("_Unsigned", "")).lower() == "true" and stored.kind == "i"
+    if unsigned and _same_type(first, stored):  # bounds written as the signed stored type
+        as_unsigned = np.dtype(f"u{stored.itemsize}")
+        lo = None if lo is None else np.asarray(lo).astype(stored).view(as_unsigned)
+        hi = None if hi is None else np.asarray(hi).astype(stored).view(as_unsigned)
+    return ValidRange(lo, hi, unpacked, text, how, odd)
+
+
+@dataclass
+class MaskCount:
+    """How many of a variable's values its CF valid range masked, for one report per scan."""
+
+    bounds: ValidRange | None = None
+    masked: Any = 0
+    size: int = 0
+    #: the files of a set whose attributes differ from the first's
+    differ: int = 0
+
+    def add(self, bounds: ValidRange, masked: Any, size: int) -> None:
+        """Count one block (or file) masked by ``bounds``."""
+        if self.bounds is None:
+            self.bounds = bounds
+        elif bounds.text != self.bounds.text:
+            self.differ += 1
+        self.masked = self.masked + masked
+        self.size += size
+
+    def report(self, name: str) -> None:
+        """Warn (once) when the range masked more than MASK_WARN_FRACTION, or its type is odd."""
+        b = self.bounds
+        if b is None or not self.size:
+            return
+        counted = self.masked  # a file set's counts are lazy (dask): read the files now
+        masked = int(
+            counted.compute(scheduler="synchronous") if hasattr(counted, "compute") else counted
+        )
+        share = masked / self.size
+        if share <= MASK_WARN_FRACTION and not b.odd:
+            return
+        log.warning(
+            "variable %r: %s marks %.1f%% of its values missing (%d of %d), %s%s; check "
+            "the attribute if that is not meant",
+            name,
+            b.text,
+            100 * share,
+            masked,
+            self.size,
+            b.how,
+            f" (the first file's; {self.differ} other file(s) declare another range)"
+            if self.differ
+            else "",
+        )
 
 
 def _open_raw_file(path: str, chunks: dict[str, Any] | None = None) -> xr.Dataset:
@@ -449,12 +625,14 @@ def _values(
     select: Callable[[xr.DataArray], xr.DataArray],
     what: str,
     path: Source,
+    count: MaskCount | None = None,
 ) -> np.ndarray:
-    """Decoded values of ``select(da)``, stored values outside the CF valid range as NaN.
+    """Decoded values of ``select(da)``, values outside the CF valid range as NaN.
 
     ``da`` is a variable of a dataset opened by :func:`open_netcdf` (from
     ``path``). A variable that declares a valid range always comes back as
-    floats (integers as float64), masked or not.
+    floats (integers as float64), masked or not. ``count``, when given, counts
+    what the valid range masked.
     """
     values = _read(select(da), what, path)
     if len(path.files) > 1 or not any(k in da.attrs for k in _VALID_ATTRS):
@@ -462,36 +640,43 @@ def _values(
     raw_ds = path.open_selected(raw=True)
     try:
         raw_da = raw_ds[da.name]
-        raw = _read(select(raw_da), what, path)
         bounds = valid_bounds(raw_da.attrs, raw_da.dtype)
+        raw = None if bounds is None or bounds.unpacked else _read(select(raw_da), what, path)
     finally:
         path.close(raw_ds)
     if values.dtype.kind != "f":
         values = values.astype(np.float64)
     if bounds is None:
         return values
-    invalid = _outside(raw, raw_da.attrs, bounds)
+    invalid = _outside(values if raw is None else raw, raw_da.attrs, bounds)
+    if count is not None:
+        count.add(bounds, int(np.count_nonzero(invalid & ~np.isnan(values))), values.size)
     return np.where(invalid, np.nan, values).astype(values.dtype, copy=False)
 
 
-def _outside(raw: Any, attrs: Mapping[str, Any], bounds: tuple[Any, Any]) -> Any:
-    """Where stored values ``raw`` (numpy or dask) lie outside the valid ``bounds``."""
-    if str(attrs.get("_Unsigned", "")).lower() == "true" and raw.dtype.kind == "i":
-        raw = raw.view(f"u{raw.dtype.itemsize}")
-    lo, hi = bounds
-    invalid = raw != raw  # all False, of raw's kind (numpy or dask)
-    if lo is not None:
-        invalid = invalid | (raw < lo)
-    if hi is not None:
-        invalid = invalid | (raw > hi)
+def _outside(values: Any, attrs: Mapping[str, Any], bounds: ValidRange) -> Any:
+    """Where ``values`` (numpy or dask; stored, or unpacked) lie outside ``bounds``."""
+    unsigned = str(attrs.get("_Unsigned", "")).lower() == "true"
+    if not bounds.unpacked and unsigned and values.dtype.kind == "i":
+        values = values.view(f"u{values.dtype.itemsize}")
+    invalid = (values != values) & False  # all False, of values' kind (numpy or dask)
+    if bounds.lo is not None:
+        invalid = invalid | (values < bounds.lo)
+    if bounds.hi is not None:
+        invalid = invalid | (values > bounds.hi)
     return invalid
 
 
-def _masked_file(path: str) -> xr.Dataset:
+#: Per file set (the files as given): variable → what its valid ranges mask, lazily.
+_SET_MASKS: dict[tuple[str, ...], dict[str, MaskCount]] = {}
+
+
+def _masked_file(path: str, counts: dict[str, MaskCount] | None = None) -> xr.Dataset:
     """One file of a set, decoded and dask-backed, values outside its own valid range NaN.
 
     Each file may declare its own packing and valid range (in its stored
     units), so the mask is made per file, before the files are combined.
+    ``counts`` gathers (lazily) what each variable's range masks.
     """
     ds = open_netcdf(path, chunks={})
     raw = _open_raw_file(path, chunks={})
@@ -499,17 +684,70 @@ def _masked_file(path: str) -> xr.Dataset:
         bounds = valid_bounds(raw[name].attrs, raw[name].dtype)
         if bounds is None or not any(k in ds[name].attrs for k in _VALID_ATTRS):
             continue
-        invalid = _outside(raw[name].data, raw[name].attrs, bounds)
-        ds[name] = (
-            ds[name].astype(np.float64).where(~invalid)
-            if ds[name].dtype.kind != "f"
-            else (ds[name].where(~invalid))
-        )
+        decoded = ds[name].astype(np.float64) if ds[name].dtype.kind != "f" else ds[name]
+        compared = decoded.data if bounds.unpacked else raw[name].data
+        invalid = _outside(compared, raw[name].attrs, bounds)
+        if counts is not None:
+            masked = (invalid & ~np.isnan(decoded.data)).sum()
+            counts.setdefault(str(name), MaskCount()).add(bounds, masked, int(decoded.size))
+        ds[name] = decoded.where(~invalid)
     return ds
 
 
 # ---------------------------------------------------------------- dims
-def _pick(names: tuple[str, ...], dims: tuple[str, ...]) -> str | None:
+#: CF ``axis`` values and ``standard_name``s of coordinate variables, and the role they give
+#: their dim (CF 4.1–4.4; ``Z`` is a vertical axis: a batch dim, never obs or the map).
+_CF_AXES = {"T": "obs", "Y": "y", "X": "x", "Z": "z"}
+_CF_NAMES = {
+    "time": "obs",
+    "latitude": "y",
+    "grid_latitude": "y",
+    "projection_y_coordinate": "y",
+    "longitude": "x",
+    "grid_longitude": "x",
+    "projection_x_coordinate": "x",
+}
+#: The units CF 4.1 and 4.2 accept for latitude and longitude (lowercased).
+_LAT_UNITS = frozenset(
+    ("degrees_north", "degree_north", "degree_n", "degrees_n", "degreen", "degreesn")
+)
+_LON_UNITS = frozenset(
+    ("degrees_east", "degree_east", "degree_e", "degrees_e", "degreee", "degreese")
+)
+
+
+def _cf_role(c: xr.DataArray) -> str | None:
+    """The role ("obs", "y", "x", "z") a coordinate variable's CF attributes give its dim."""
+    axis = str(c.attrs.get("axis", "")).strip().upper()
+    if axis in _CF_AXES:
+        return _CF_AXES[axis]
+    standard = str(c.attrs.get("standard_name", "")).strip().lower()
+    if standard in _CF_NAMES:
+        return _CF_NAMES[standard]
+    # Decoded times keep their units in the encoding; undecoded ones in the attributes.
+    units = str(c.attrs.get("units", c.encoding.get("units", ""))).strip().lower()
+    if c.dtype.kind == "M" or " since " in f" {units} " or is_cftime(np.asarray(c.values[:1])):
+        return "obs"
+    if units in _LAT_UNITS:
+        return "y"
+    if units in _LON_UNITS:
+        return "x"
+    return None
+
+
+def cf_roles(da: xr.DataArray) -> dict[str, str]:
+    """Dim → role ("obs", "y", "x", "z") from the CF attributes of each dim's coordinate variable.
+
+    Dims without a coordinate variable, or whose attributes say nothing, are left out.
+    """
+    roles: dict[str, str] = {}
+    for dim in da.dims:
+        if dim in da.coords and (role := _cf_role(da.coords[dim])) is not None:
+            roles[str(dim)] = role
+    return roles
+
+
+def _pick(names: tuple[str, ...], dims: list[str]) -> str | None:
     lowered = {d.lower(): d for d in dims}
     for n in names:
         if n in lowered:
@@ -517,12 +755,30 @@ def _pick(names: tuple[str, ...], dims: tuple[str, ...]) -> str | None:
     return None
 
 
-def infer_dims(
-    dims: tuple[str, ...], obs: str | None, y: str | None, x: str | None
-) -> tuple[str, str, str, list[str]]:
-    """(obs, y, x) dim names from config or from conventional names; violations if impossible.
+def _shape_text(dims: tuple[str, ...], sizes: Mapping[str, int] | None) -> str:
+    if not sizes:
+        return f"({', '.join(dims)})"
+    return "(" + ", ".join(f"{d}={sizes[d]}" if d in sizes else d for d in dims) + ")"
 
-    The variable may have more dims (member, level, …): they are batch dims.
+
+def infer_dims(
+    dims: tuple[str, ...],
+    obs: str | None,
+    y: str | None,
+    x: str | None,
+    roles: Mapping[str, str] | None = None,
+    sizes: Mapping[str, int] | None = None,
+) -> tuple[str, str, str, list[str]]:
+    """(obs, y, x) dim names, never guessed from positions; violations if they cannot be told.
+
+    In order: load.obs_dim / y_dim / x_dim; the CF ``roles`` of the dims'
+    coordinate variables (:func:`cf_roles`: ``axis``, ``standard_name``, time or
+    degree units), each claimed by one dim; conventional names (``time``,
+    ``lat``, ``x``, …; one obs-like name, never a choice among several); then
+    by elimination: with y and x known, the one dim left is obs, and with obs
+    known, the dims left (exactly as many as are missing) are y then x in the
+    variable's order (they only lay out the maps: the fits are per series).
+    Any other dim is a batch dim. ``sizes`` only make the messages say more.
     """
     problems = [
         f"{field} {name!r} is not a dim of the variable (its dims are {list(dims)})"
@@ -532,24 +788,64 @@ def infer_dims(
     ]
     if problems or len(dims) < 3:
         return "", "", "", problems
-    y = y or _pick(Y_NAMES, tuple(d for d in dims if d not in (obs, x)))
-    x = x or _pick(X_NAMES, tuple(d for d in dims if d not in (obs, y)))
-    if y is None and x is None and obs is None and len(dims) == 3:
-        obs, y, x = dims  # conventional (obs, y, x) order
-    rest = tuple(d for d in dims if d not in (y, x))
-    if obs is None and y is not None and x is not None:
-        # More dims: the one obs-like name, never a guess among several (time and step).
-        named = [d for d in rest if d.lower() in OBS_NAMES]
-        obs = rest[0] if len(rest) == 1 else (named[0] if len(named) == 1 else None)
-    if None in (obs, y, x) or len({obs, y, x}) != 3:
+    roles = roles or {}
+    found: dict[str, str | None] = {"obs": obs, "y": y, "x": x}
+    taken = {d for d in found.values() if d is not None}
+    for role in ("obs", "y", "x"):
+        claims = [d for d in dims if roles.get(d) == role and d not in taken]
+        if found[role] is None and len(claims) == 1:
+            found[role] = claims[0]
+            taken.add(claims[0])
+    for role, names in (("y", Y_NAMES), ("x", X_NAMES)):
+        free = [d for d in dims if d not in taken and roles.get(d) in (None, role)]
+        if found[role] is None and (name := _pick(names, free)) is not None:
+            found[role] = name
+            taken.add(name)
+    named = [d for d in dims if d not in taken and roles.get(d) in (None, "obs")]
+    named = [d for d in named if d.lower() in OBS_NAMES]
+    if found["obs"] is None and len(named) == 1:
+        found["obs"] = named[0]
+        taken.add(named[0])
+    rest = [d for d in dims if d not in taken and roles.get(d) != "z"]
+    if found["obs"] is None and None not in (found["y"], found["x"]) and len(rest) == 1:
+        found["obs"] = rest[0]
+        taken.add(rest[0])
+    missing = [r for r in ("y", "x") if found[r] is None]
+    if found["obs"] is not None and missing and len(rest) == len(missing):
+        found.update(zip(missing, rest, strict=True))
+        missing = []
+    shape = _shape_text(dims, sizes)
+    free = [d for d in dims if d not in {v for v in found.values() if v}]
+    if found["obs"] is None:
+        example = free[-1] if free else dims[-1]
         problems.append(
-            f"cannot tell which of {list(dims)} are obs, y and x "
-            f"(got obs={obs!r}, y={y!r}, x={x!r}); name them with load.obs_dim / "
-            "load.y_dim / load.x_dim"
+            f"cannot tell which dim is the observation dim: the variable's dims are {shape}, "
+            f"none is named like one ({', '.join(OBS_NAMES)}) or has a coordinate variable "
+            "that says so (CF axis: T, standard_name: time, or units like 'days since …'); "
+            f"set load.obs_dim to the dim of the observations, e.g. the line `obs_dim: {example}` "
+            "in the config's load section"
+        )
+    elif missing:
+        pair = (free + list(dims))[:2] if len(free) < 2 else free[-2:]
+        problems.append(
+            f"cannot tell which dims are the map's rows and columns: the variable's dims are "
+            f"{shape}, obs is {found['obs']!r}, and of {free} none is named like y / x "
+            "(lat, lon, y, x, …) or has a coordinate variable that says so (CF axis: Y / X, "
+            "standard_name, units degrees_north / degrees_east); set load.y_dim and "
+            f"load.x_dim, e.g. the lines `y_dim: {pair[0]}` and `x_dim: {pair[1]}` in "
+            "the config's load section"
+        )
+    if problems:
+        return "", "", "", problems
+    o, yy, xx = found["obs"], found["y"], found["x"]
+    assert o is not None and yy is not None and xx is not None
+    if len({o, yy, xx}) != 3:
+        problems.append(
+            f"load.obs_dim / y_dim / x_dim name the same dim twice (obs={o!r}, y={yy!r}, "
+            f"x={xx!r}); the variable's dims are {shape}"
         )
         return "", "", "", problems
-    assert obs is not None and y is not None and x is not None
-    return obs, y, x, problems
+    return o, yy, xx, problems
 
 
 # ---------------------------------------------------------------- scan
@@ -695,8 +991,10 @@ def _stream(
     """Hash ``da``'s values (as tiles read them) block by block along its first dim.
 
     Also counts NaN, inf, negative and positive values, finds the first inf and
-    the largest finite magnitude, and feeds the gap patterns.
+    the largest finite magnitude, feeds the gap patterns, and counts what the
+    valid range masked (``"valid"``, a :class:`MaskCount`).
     """
+    count = MaskCount()
     n0 = da.shape[0]
     row_bytes = max(1, int(np.prod(da.shape[1:], dtype=np.int64)) * da.dtype.itemsize)
     step = max(1, _BLOCK_BYTES // row_bytes)
@@ -706,7 +1004,7 @@ def _stream(
     abs_max = 0.0
     for start in range(0, n0, step):
         rows = {da.dims[0]: slice(start, start + step)}
-        block = _values(da, functools.partial(xr.DataArray.isel, indexers=rows), what, path)
+        block = _values(da, functools.partial(xr.DataArray.isel, indexers=rows), what, path, count)
         hasher.update(block)
         if patterns is not None:
             patterns.update(block, start)
@@ -735,6 +1033,7 @@ def _stream(
         "positive": pos,
         "abs_max": abs_max,
         "size": int(da.size),
+        "valid": count,
     }
 
 
@@ -791,6 +1090,7 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: Source, var: str) -> Scan:
     cube = _cube(config, ds, var)
     aux = _aux_info(config, ds, cube)
     digests, stats, patterns = _hash_variables(ds, cube, aux, path)
+    _report_masking(cube, aux, stats, path)
     arrays, coord_attrs, coord_cf, coord_digests = _read_coords(ds, cube, path)
     _check_values(config, cube, stats, arrays["obs"])
     digests.update(coord_digests)
@@ -820,6 +1120,24 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: Source, var: str) -> Scan:
     digest = hash_text(canonical_json(digests))
     meta["content_hash"] = digest
     return Scan(digest=digest, output=StageOutput(arrays=arrays, meta=meta))
+
+
+def _report_masking(
+    cube: _Cube,
+    aux: Mapping[str, Mapping[str, Any]],
+    stats: Mapping[str, Mapping[str, Any]],
+    path: Source,
+) -> None:
+    """One warning per selected variable whose valid range masked much, or has an odd type.
+
+    A file set's counts cover its whole files (they are masked file by file).
+    """
+    selected = {"cube": cube.name, **{role: str(info["name"]) for role, info in aux.items()}}
+    sets = _SET_MASKS.get(path.files, {}) if len(path.files) > 1 else {}
+    for role, name in selected.items():
+        count = sets.get(name) if len(path.files) > 1 else stats[role]["valid"]
+        if count is not None:
+            count.report(name)
 
 
 def _cube_name(config: NetCDFLoad, ds: xr.Dataset) -> str:
@@ -878,7 +1196,10 @@ def _cube(config: NetCDFLoad, ds: xr.Dataset, var: str) -> _Cube:
             "load.select / load.isel keeps a dim",
         )
     dims = tuple(str(d) for d in da.dims)
-    obs_dim, y_dim, x_dim, problems = infer_dims(dims, config.obs_dim, config.y_dim, config.x_dim)
+    sizes = {str(d): int(n) for d, n in da.sizes.items()}
+    obs_dim, y_dim, x_dim, problems = infer_dims(
+        dims, config.obs_dim, config.y_dim, config.x_dim, cf_roles(da), sizes
+    )
     if not numeric_kind(da.dtype):
         problems.append(f"variable {var!r} has dtype {da.dtype}; expected numbers (float or int)")
     for dim, n in da.sizes.items():
@@ -1408,8 +1729,12 @@ def _file_set(config_json: str, files: tuple[str, ...], ident_json: str, options
     try:
         var = _set_cube_name(config, datasets, files)
         filesets.check_holds(datasets, files, var)
-        dims = tuple(str(d) for d in datasets[0][var].dims)
-        obs, _, _, problems = infer_dims(dims, config.obs_dim, config.y_dim, config.x_dim)
+        first = datasets[0][var]
+        dims = tuple(str(d) for d in first.dims)
+        sizes = {str(d): int(n) for d, n in first.sizes.items()}
+        obs, _, _, problems = infer_dims(
+            dims, config.obs_dim, config.y_dim, config.x_dim, cf_roles(first), sizes
+        )
         if not obs:
             raise ContractError(
                 f"cannot tell which dim of {var!r} to combine the files along",
@@ -1461,17 +1786,34 @@ def _base(config: NetCDFLoad, per: Mapping[str, Any], store: str | None) -> Sour
 
 
 def check_opens(config: NetCDFLoad) -> None:
-    """Open every file (or the store) ``load.path`` names; InputError for the first that fails."""
+    """Open what ``load.path`` names and check the cube's variable, selection and dims.
+
+    InputError for the first file that does not open; ContractError (every
+    violation) when the cube cannot be told, or its obs / y / x dims cannot be
+    identified. Reads metadata and coordinates, not the cube's values.
+    """
+    options = canonical_json(config.storage_options) if config.storage_options else ""
     single = _single(config)
     if single is not None:
-        open_netcdf(single).close()
-        return
-    members, store = _members(config)
-    if store is not None:
-        _open_zarr(store, raw=False, options=config.storage_options).close()
-        return
-    for f in members:
-        open_netcdf(local(f, config.storage_options)).close()
+        base = Source(single)
+    else:
+        members, store = _members(config)
+        if store is not None:
+            base = Source(store, zarr=True, options=options)
+        else:
+            for f in members:
+                open_netcdf(local(f, config.storage_options)).close()
+            if len(members) == 1:
+                base = Source(members[0], options=options)
+            else:
+                payload = canonical_json(config.key_payload())
+                base = _file_set(payload, tuple(members), "", options or "{}")
+    ds = base.open()
+    try:
+        var = _cube_name(config, ds)
+        _cube(config, resolve_selection(ds, var, config, base).apply(ds), var)
+    finally:
+        base.close(ds)
 
 
 # ---------------------------------------------------------------- the stage

@@ -9,6 +9,7 @@ against a single-file run that xarray itself wrote from the same dataset.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import random
 import shutil
@@ -362,6 +363,39 @@ def test_overlapping_files_are_refused(ctx: Any, tmp_path: Path) -> None:
     assert list((tmp_path / "out-fail").iterdir()) == []
 
 
+def test_interleaved_files_are_combined_in_observation_order(ctx: Any, tmp_path: Path) -> None:
+    """Odd days in one file, even days in another: every observation once, so in time order."""
+    base = cube()
+    folder = tmp_path / "data"
+    folder.mkdir()
+    base.isel(time=slice(0, None, 2)).to_netcdf(folder / "even.nc")
+    odd = base.isel(time=slice(1, None, 2))
+    # the odd file counts its times from another date: raw numbers differ, times do not
+    odd["time"].encoding.update(units="hours since 2019-12-25")
+    odd.to_netcdf(folder / "odd.nc")
+    out = pipeline(ctx, tmp_path, str(folder / "*.nc"), "interleaved.nc")
+    np.testing.assert_array_equal(out["time"].values, base["time"].values)
+    check_against_lstsq(out, base["sig"])
+    cfg = NetCDFLoad(path=str(folder / "*.nc"), variable="sig")
+    meta = {**run(cfg, {}, ctx).meta, SOURCE: locate(cfg, ctx)}
+    block = read_block(meta, "cube", Tile(index=0, y0=0, y1=N_Y, x0=0, x1=N_X))
+    want = base["sig"].isel(member=0).transpose("time", "lat", "lon").values
+    np.testing.assert_array_equal(block, want)
+
+
+def test_an_observation_in_two_interleaved_files_is_named(ctx: Any, tmp_path: Path) -> None:
+    base = cube()
+    folder = tmp_path / "data"
+    folder.mkdir()
+    base.isel(time=slice(0, None, 2)).to_netcdf(folder / "even.nc")
+    base.isel(time=[1, 3, 6, 7]).to_netcdf(folder / "odd.nc")  # time 6 is in both
+    with pytest.raises(ContractError) as err:
+        fail_pipeline(ctx, tmp_path, str(folder / "*.nc"))
+    text = _message(err)
+    assert "overlap along 'time'" in text and "time = 2020-01-07" in text
+    assert str(folder / "even.nc") in text and str(folder / "odd.nc") in text
+
+
 def test_files_on_different_grids_are_refused(ctx: Any, tmp_path: Path) -> None:
     paths = write_parts(cube(), tmp_path / "data")
     shifted = cube().isel(time=slice(SPLITS[3], SPLITS[4]))
@@ -589,6 +623,31 @@ def test_packed_files_each_decoded_with_their_own_attributes(
     want = base["sig"].copy(data=oracle)
     out = pipeline(ctx, tmp_path, str(tmp_path / "data" / "z-*.nc"), "packed.nc")
     check_against_lstsq(out, want)
+
+
+def test_a_file_sets_valid_range_masking_is_reported_once(
+    ctx: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each file's own valid_min masks 30 % / 5 %: one warning for the set, with its count."""
+    base = cube()
+    paths = []
+    for i, (a, b) in enumerate(itertools.pairwise(SPLITS[:3])):
+        path = tmp_path / "data" / f"v-{i}.nc"
+        path.parent.mkdir(exist_ok=True)
+        _packed(base.isel(time=slice(a, b)), 0.001, 2.0, 30.0 if i == 0 else 5.0).to_netcdf(path)
+        paths.append(path)
+    nan_before = int(np.isnan(base["sig"].values[: SPLITS[2]]).sum())
+    masked = int(np.isnan(_netcdf4_cube(paths)).sum()) - nan_before
+    cfg = NetCDFLoad(path=str(tmp_path / "data" / "v-*.nc"))
+    with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
+        out = run(cfg, {}, ctx)
+        meta = {**out.meta, SOURCE: locate(cfg, ctx)}
+        read_block(meta, "cube", Tile(index=0, y0=0, y1=N_Y, x0=0, x1=N_X))
+    assert out.meta["nan_count"] == nan_before + masked
+    warned = [r.getMessage() for r in caplog.records if "marks" in r.getMessage()]
+    assert len(warned) == 1, warned
+    size = SPLITS[2] * N_M * N_Y * N_X
+    assert f"({masked} of {size})" in warned[0] and "1 other file(s) declare" in warned[0]
 
 
 def test_first_file_lacking_the_cube_without_load_variable(ctx: Any, tmp_path: Path) -> None:

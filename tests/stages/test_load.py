@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xarray as xr
 
 from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.errors import ContractError, InputError
@@ -21,19 +22,92 @@ from testkit import Chain, make_ds
 
 
 @pytest.mark.parametrize(
-    ("dims", "expected"),
+    ("dims", "roles", "config", "expected"),
     [
-        (("time", "y", "x"), ("time", "y", "x")),
-        (("time", "lat", "lon"), ("time", "lat", "lon")),
-        (("lat", "lon", "band"), ("band", "lat", "lon")),
-        (("row", "time", "col"), ("time", "row", "col")),
-        (("a", "b", "c"), ("a", "b", "c")),
+        (("time", "y", "x"), {}, {}, ("time", "y", "x")),
+        (("time", "lat", "lon"), {}, {}, ("time", "lat", "lon")),
+        (("lat", "lon", "band"), {}, {}, ("band", "lat", "lon")),
+        (("row", "time", "col"), {}, {}, ("time", "row", "col")),
+        # y and x by name: the one dim left is obs (elimination, not position)
+        (("nlat", "nlon", "nt"), {}, {}, ("nt", "nlat", "nlon")),
+        # CF attributes of coordinate variables (axis, standard_name, units)
+        (("a", "b", "c"), {"c": "obs", "a": "y", "b": "x"}, {}, ("c", "a", "b")),
+        (("a", "b", "c"), {"a": "obs"}, {}, ("a", "b", "c")),
+        # obs configured: the two dims left are y then x, in the variable's order
+        (("nj", "ni", "nt"), {}, {"obs": "nt"}, ("nt", "nj", "ni")),
+        (("ni", "nt", "nj"), {}, {"obs": "nt"}, ("nt", "ni", "nj")),
+        # a vertical (CF axis Z) dim is a batch dim, never obs
+        (("lev", "lat", "lon", "time"), {"lev": "z"}, {}, ("time", "lat", "lon")),
     ],
 )
-def test_infer_dims(dims: tuple[str, str, str], expected: tuple[str, str, str]) -> None:
-    obs, y, x, problems = infer_dims(dims, None, None, None)
+def test_infer_dims(
+    dims: tuple[str, ...],
+    roles: dict[str, str],
+    config: dict[str, str],
+    expected: tuple[str, str, str],
+) -> None:
+    obs, y, x, problems = infer_dims(
+        dims, config.get("obs"), config.get("y"), config.get("x"), roles
+    )
     assert problems == []
     assert (obs, y, x) == expected
+
+
+@pytest.mark.parametrize(
+    ("dims", "roles", "config", "hint"),
+    [
+        # no names, no coordinates: never (obs, y, x) by position
+        (("nj", "ni", "nt"), {}, {}, "`obs_dim: nt`"),
+        (("a", "b", "c"), {}, {}, "`obs_dim: c`"),
+        # two obs-like names: never a choice between them
+        (("time", "step", "lat", "lon"), {}, {}, "load.obs_dim"),
+        # two CF time axes and no names
+        (("t1", "t2", "lat", "lon"), {"t1": "obs", "t2": "obs"}, {}, "load.obs_dim"),
+        # obs known, but three dims left for the map: never a guess
+        (("nt", "member", "nj", "ni"), {}, {"obs": "nt"}, "`y_dim: nj` and `x_dim: ni`"),
+        (("nt", "lev", "nj", "ni"), {"lev": "z"}, {}, "load.obs_dim"),
+    ],
+)
+def test_dims_that_cannot_be_told_are_refused_with_a_hint(
+    dims: tuple[str, ...], roles: dict[str, str], config: dict[str, str], hint: str
+) -> None:
+    sizes = {d: 3 + i for i, d in enumerate(dims)}
+    *found, problems = infer_dims(
+        dims, config.get("obs"), config.get("y"), config.get("x"), roles, sizes
+    )
+    assert found == ["", "", ""]
+    assert len(problems) == 1 and hint in problems[0], problems
+    shape = ", ".join(f"{d}={n}" for d, n in sizes.items())
+    assert f"the variable's dims are ({shape})" in problems[0]
+
+
+def test_cf_attributes_of_coordinate_variables_name_the_dims(ctx: Any, write_cube: Any) -> None:
+    """Coordinate variables that say what they are (CF 4) identify dims with any name."""
+    ds = make_ds(n_obs=7, ny=4, nx=3, dims=("d0", "d1", "d2"), datetime_obs=False)
+    ds = ds.transpose("d1", "d2", "d0")
+    ds["d0"].attrs.update(units="days since 2000-01-01")
+    ds["d1"].attrs.update(units="degrees_north")
+    ds["d2"].attrs.update(standard_name="longitude")
+    meta = run(NetCDFLoad(path=str(write_cube(ds, "cf.nc"))), {}, ctx).meta
+    assert (meta["obs_dim"], meta["y_dim"], meta["x_dim"]) == ("d0", "d1", "d2")
+
+
+def test_swath_without_coordinates_is_refused_then_runs_along_obs_dim(
+    ctx: Any, write_cube: Any
+) -> None:
+    """(nj, ni, nt), no coordinate variables: never nj as obs; with obs_dim: nt, fits along nt."""
+    rng = np.random.default_rng(1)
+    data = rng.random((8, 6, 5))
+    path = write_cube(xr.Dataset({"bt": (("nj", "ni", "nt"), data)}), "swath.nc")
+    with pytest.raises(ContractError) as err:
+        run(NetCDFLoad(path=str(path)), {}, ctx)
+    assert "(nj=8, ni=6, nt=5)" in str(err.value) and "`obs_dim: nt`" in str(err.value)
+    cfg = NetCDFLoad(path=str(path), obs_dim="nt")
+    meta = {**run(cfg, {}, ctx).meta, "source": locate(cfg, ctx)}
+    assert (meta["obs_dim"], meta["y_dim"], meta["x_dim"]) == ("nt", "nj", "ni")
+    assert (meta["n_obs"], meta["ny"], meta["nx"]) == (5, 8, 6)
+    block = read_block(meta, "cube", Tile(index=0, y0=0, y1=8, x0=0, x1=6))
+    np.testing.assert_array_equal(block, data.transpose(2, 0, 1))
 
 
 def test_configured_dim_that_does_not_exist_is_named_with_suggestion() -> None:
@@ -204,31 +278,88 @@ def _netcdf4_masked(path: Path) -> np.ndarray:
         ({"valid_min": np.int16(-32767)}, True),
         ({"valid_range": np.array([-32767, 32767], np.int16)}, True),
         ({"valid_max": np.int16(30000)}, False),  # the sentinel is below it: valid
-        # in unpacked units: not a value of int16, so ignored (as netCDF4 does)
-        ({"valid_range": np.array([-30.5, 40.5], np.float32)}, False),
     ],
 )
 def test_cf_valid_range_masks_packed_values(
     chain: Chain,
     write_cube: Any,
     caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
     valid: dict[str, Any],
     masked: bool,
 ) -> None:
-    monkeypatch.setattr("gridsolve.stages.load.netcdf._WARNED", set())
     path = write_cube(_packed(make_ds(), -32768, **valid), "packed.nc")
     oracle = _netcdf4_masked(path)
     assert np.isnan(oracle[3, 1, 2]) == masked and np.isnan(oracle).sum() == int(masked)
     with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
         chain.whole("load", NetCDFLoad(path=str(path)))
-    ignored = valid.get("valid_range", np.zeros(0, "i2")).dtype.kind == "f"
-    assert ("is not a value of the stored dtype int16" in caplog.text) == ignored
+    assert "marks" not in caplog.text  # one value of 360 masked: below 1 %, not worth a word
     meta = chain.refs["load"].meta
     assert meta["nan_count"] == int(masked)  # the stats see the mask
     block = read_block(meta, "cube", Tile(index=0, y0=0, y1=6, x0=0, x1=5))
     np.testing.assert_array_equal(np.isnan(block), np.isnan(oracle))
     np.testing.assert_allclose(block, oracle, rtol=1e-6, equal_nan=True)
+
+
+def _temperature(vr: np.ndarray) -> tuple[xr.Dataset, np.ndarray]:
+    """Packed int16 temperature (°C, scale 0.01 float32, offset 20) with ``valid_range = vr``.
+
+    Also the unpacked values, as float64.
+    """
+    rng = np.random.default_rng(4)
+    celsius = 20 + 6 * rng.standard_normal((12, 6, 5))
+    stored = np.round((celsius - 20) / 0.01).astype(np.int16)
+    attrs = {"scale_factor": np.float32(0.01), "add_offset": np.float32(20.0), "valid_range": vr}
+    ds = make_ds().assign(signal=(("time", "y", "x"), stored, attrs))
+    return ds, stored * np.float64(np.float32(0.01)) + np.float64(np.float32(20.0))
+
+
+def test_valid_range_of_the_unpacked_type_compares_unpacked_values(
+    chain: Chain, write_cube: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """valid_range 15., 25. (float32, scale_factor's type) on int16 data: physical units."""
+    ds, celsius = _temperature(np.array([15.0, 25.0], np.float32))
+    path = write_cube(ds, "unpacked-range.nc")
+    with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
+        chain.whole("load", NetCDFLoad(path=str(path)))
+        meta = chain.refs["load"].meta
+        for y0 in range(6):  # tile reads never repeat the warning
+            block = read_block(meta, "cube", Tile(index=y0, y0=y0, y1=y0 + 1, x0=0, x1=5))
+            outside = (celsius[:, y0 : y0 + 1] < 15) | (celsius[:, y0 : y0 + 1] > 25)
+            np.testing.assert_array_equal(np.isnan(block), outside)
+    outside = (celsius < 15) | (celsius > 25)
+    assert meta["nan_count"] == int(outside.sum()) and 0.2 < outside.mean() < 0.5
+    warned = [r.getMessage() for r in caplog.records if "marks" in r.getMessage()]
+    assert len(warned) == 1, warned
+    share = f"{100 * outside.mean():.1f}% of its values missing ({outside.sum()} of 360)"
+    assert "valid_range = [15.0, 25.0] (float32)" in warned[0] and share in warned[0]
+    assert "compared with the unpacked values" in warned[0]
+
+
+def test_valid_range_of_another_type_compares_stored_values_and_says_so(
+    chain: Chain, write_cube: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """float64 on int16 packed to float32: CF 8.1 is broken; CF 2.5.1 decides, aloud."""
+    ds, celsius = _temperature(np.array([15.0, 25.0], np.float64))
+    path = write_cube(ds, "odd-range.nc")
+    stored = np.round((celsius - 20) / 0.01)
+    with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
+        chain.whole("load", NetCDFLoad(path=str(path)))
+    outside = (stored < 15) | (stored > 25)
+    assert chain.refs["load"].meta["nan_count"] == int(outside.sum())
+    warned = [r.getMessage() for r in caplog.records if "marks" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "valid_range = [15.0, 25.0] (float64)" in warned[0]
+    assert "neither the packed int16 nor the unpacked float32" in warned[0]
+
+
+def test_odd_typed_valid_range_is_reported_even_when_it_masks_little(
+    chain: Chain, write_cube: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    ds, _ = _temperature(np.array([-32000, 32000], np.int32))
+    with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
+        chain.whole("load", NetCDFLoad(path=str(write_cube(ds, "i4-range.nc"))))
+    assert "marks 0.0% of its values missing (0 of 360)" in caplog.text
+    assert "neither the packed int16 nor the unpacked float32" in caplog.text
 
 
 def test_content_hash_sees_masked_values(ctx: Any, write_cube: Any) -> None:
@@ -292,3 +423,47 @@ def test_design_labels_are_part_of_the_content(ctx: Any, write_cube: Any) -> Non
     assert (cols_abc, cols_xyz) == (["a", "b", "c"], ["x", "y", "z"])
     assert key_abc != key_xyz
     assert load(["a", "b", "c"], "abc-again.nc")[0] == key_abc
+
+
+@pytest.mark.parametrize("units", ["months since 2000-01-01", "years since 1990-1-1"])
+def test_calendar_time_units_are_named_not_called_corrupt(
+    ctx: Any, write_cube: Any, units: str
+) -> None:
+    ds = make_ds(datetime_obs=False).assign_coords(time=np.arange(12.0))
+    ds["time"].attrs.update(units=units)
+    path = write_cube(ds, "months.nc")
+    with pytest.raises(InputError) as err:
+        run(NetCDFLoad(path=str(path)), {}, ctx)
+    text = str(err.value)
+    assert f"'time' is in {units!r} (calendar 'standard'), a unit of variable length" in text
+    assert "rewrite 'time' in days since a date" in text
+    assert "corrupt" not in text and "re-download" not in text
+
+
+def test_months_in_the_360_day_calendar_are_read(ctx: Any, write_cube: Any) -> None:
+    """cftime decodes months in the 360_day calendar (each month 30 days): those run."""
+    ds = make_ds(datetime_obs=False).assign_coords(time=np.arange(12.0))
+    ds["time"].attrs.update(units="months since 2000-01-01", calendar="360_day")
+    meta = run(NetCDFLoad(path=str(write_cube(ds, "m360.nc"))), {}, ctx).meta
+    assert meta["obs_dim"] == "time" and meta["n_obs"] == 12
+
+
+def test_a_truncated_file_is_still_called_corrupt(ctx: Any, cube_path: Path) -> None:
+    data = cube_path.read_bytes()
+    cube_path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match="corrupt or truncated"):
+        run(NetCDFLoad(path=str(cube_path)), {}, ctx)
+
+
+def test_unsigned_bytes_compare_their_valid_max_as_unsigned(chain: Chain, write_cube: Any) -> None:
+    """_Unsigned int8: valid_max stored as int8 -56 means 200; 250 (stored -6) is masked."""
+    ds = make_ds()
+    stored = np.full(ds["signal"].shape, 100, np.uint8)
+    stored[2, 1, 1] = 250
+    attrs = {"_Unsigned": "true", "valid_max": np.int8(-56)}
+    ds = ds.assign(signal=(ds["signal"].dims, stored.view(np.int8), attrs))
+    chain.whole("load", NetCDFLoad(path=str(write_cube(ds, "u8.nc"))))
+    meta = chain.refs["load"].meta
+    block = read_block(meta, "cube", Tile(index=0, y0=0, y1=6, x0=0, x1=5))
+    assert meta["nan_count"] == 1 and np.isnan(block[2, 1, 1])
+    assert np.nansum(block) == 100 * (block.size - 1)

@@ -821,9 +821,16 @@ def test_same_selected_values_at_other_positions_get_their_own_key(
 
 
 def test_two_obs_like_dims_are_never_guessed(ctx: Any, tmp_path: Path) -> None:
-    ds = cube4().rename(member="step")  # (time, step, lat, lon): which one is obs?
+    # (time, step, lat, lon), both numbered 0, 1, …: which one is obs?
+    ds = cube4().rename(member="step").assign_coords(time=np.arange(N_T))
     path = write(ds, tmp_path)
-    with pytest.raises(ContractError, match="cannot tell which of") as e:
+    with pytest.raises(ContractError, match="cannot tell which dim is the observation") as e:
         _load(path, ctx)
     assert "load.obs_dim" in str(e.value)
     assert _load(path, ctx, obs_dim="time").meta["lead_dims"] == ["step"]
+
+
+def test_a_time_coordinate_tells_obs_from_another_obs_like_name(ctx: Any, tmp_path: Path) -> None:
+    # the same names, but time holds dates (CF 4.4): time is obs, step a batch dim
+    path = write(cube4().rename(member="step"), tmp_path)
+    assert _load(path, ctx).meta["lead_dims"] == ["step"]
