@@ -4,6 +4,10 @@ A worker that runs flows triggered by other people (a Prefect UI "Custom run")
 can pin where runs may write: ``GRIDSOLVE_ALLOWED_ROOTS`` (folders separated
 by ``:``). Output files and cache folders must then resolve — after ``..`` and
 symbolic links — inside one of them. Unset, any writable path is allowed.
+
+Wherever it may write, a run never writes over what it reads:
+:func:`refuse_destructive_outputs` compares its outputs with its inputs, the
+config file and the cache before any work.
 """
 
 from __future__ import annotations
