@@ -370,10 +370,13 @@ def _run(config_path: Path, overrides: Sequence[str], debug: bool = False) -> in
     from gridsolve.flows.failures import install
     from gridsolve.flows.pipeline import run_config
     from gridsolve.schemas.reading import load_config
+    from gridsolve.stages.engine.paths import refuse_destructive_outputs
 
     if not debug:
         install(cli=True)  # main() prints a user error; Prefect's console log must not repeat it
     cfg = load_config(config_path, overrides)
+    # Before Prefect starts: nothing is written when the output would replace an input.
+    refuse_destructive_outputs(cfg, config_path, local_template_values())
     if os.environ.get("PREFECT_API_URL"):
         _check_login(os.environ["PREFECT_API_URL"])  # before any work, not as a traceback after
     summary = run_config(cfg)
@@ -383,6 +386,17 @@ def _run(config_path: Path, overrides: Sequence[str], debug: bool = False) -> in
         print(f"status of {kind}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     print(f"output: {summary.output}")
     return 0
+
+
+def local_template_values() -> dict[str, str]:
+    """Placeholder values as a run started now fills them; a flow run's name is not known yet."""
+    from datetime import UTC, datetime
+
+    from gridsolve.schemas.templating import template_values
+
+    return template_values(
+        now=datetime.now(UTC), scheduled=None, flow_run_name=None, flow_run_id=None, deployment=None
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -399,12 +413,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from gridsolve.schemas.kinds.load import NetCDFLoad
     from gridsolve.schemas.kinds.model import ModuleModel
     from gridsolve.schemas.reading import config_to_yaml, load_config
+    from gridsolve.stages.engine.paths import refuse_destructive_outputs
     from gridsolve.stages.engine.remote import is_url
     from gridsolve.stages.engine.store import open_store
     from gridsolve.stages.load.netcdf import check_opens
     from gridsolve.stages.write.netcdf import check_write_target
 
     cfg = load_config(args.config, args.overrides)
+    refuse_destructive_outputs(cfg, args.config, local_template_values())
     if isinstance(cfg.load, NetCDFLoad) and "{" not in str(cfg.load.path):
         check_opens(cfg.load)
     if "{" not in str(getattr(cfg.write, "path", "")):

@@ -61,7 +61,11 @@ from gridsolve.schemas.pipeline import (
 )
 from gridsolve.schemas.reading import deployment_home, resolved_path
 from gridsolve.stages.engine.context import StageContext
-from gridsolve.stages.engine.paths import ensure_input_allowed, ensure_module_allowed
+from gridsolve.stages.engine.paths import (
+    ensure_input_allowed,
+    ensure_module_allowed,
+    refuse_destructive_outputs,
+)
 from gridsolve.stages.engine.plan import (
     Plan,
     Step,
@@ -682,6 +686,8 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     with noting_user_errors():
         refuse_demo_on_schedule(cfg)
         check_reads_allowed(cfg)
+        # Here, on the rendered paths, so a run triggered in the UI is refused too.
+        refuse_destructive_outputs(cfg)
         try:  # a bucket that refuses the output fails before any work
             check_write_target(cfg.write)
         except GridsolveError as exc:

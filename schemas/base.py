@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import re
+import types
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 _SPEED = "speed_only"
 _PATH = "is_path"
@@ -139,7 +140,31 @@ def _field_flag(model: type[BaseModel], name: str, flag: str) -> bool:
     return isinstance(extra, dict) and bool(extra.get(flag))
 
 
-class StageConfig(BaseModel):
+def _numbers_only(annotation: Any) -> bool:
+    """Whether a field takes numbers and nothing else (``int``, ``float | None``, …)."""
+    union = get_origin(annotation) in (Union, types.UnionType)
+    kinds = [a for a in (get_args(annotation) if union else (annotation,)) if a is not type(None)]
+    return bool(kinds) and all(a in (int, float) for a in kinds)
+
+
+class NoBoolNumbers(BaseModel):
+    """A model whose number fields refuse ``true``/``false``.
+
+    Pydantic reads a bool as 1 or 0 where a number is expected, so
+    ``--set design.degree=true`` was a degree-1 fit: a bool there is always a
+    mistake, in a file, on the command line or in the Prefect form alike.
+    """
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _numbers_only(field.annotation):
+            raise ValueError(f"{str(value).lower()} is a bool, where a number is expected")
+        return value
+
+
+class StageConfig(NoBoolNumbers):
     """Base of every stage implementation's config: frozen, no unknown keys."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -5,12 +5,18 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
-from gridsolve.schemas.base import StorageOptions, check_url, path_field, storage_options_field
+from gridsolve.schemas.base import (
+    NoBoolNumbers,
+    StorageOptions,
+    check_url,
+    path_field,
+    storage_options_field,
+)
 
 
-class CacheConfig(BaseModel):
+class CacheConfig(NoBoolNumbers):
     """Where stage outputs are stored, keyed by content hash."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", title="Cache")
@@ -76,7 +82,7 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
 
 
-class ExecutionConfig(BaseModel):
+class ExecutionConfig(NoBoolNumbers):
     """How the pipeline runs. Nothing here changes results or cache keys."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", title="Execution")

@@ -9,6 +9,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from gridsolve.schemas import catalog
 from gridsolve.schemas.base import (
+    NoBoolNumbers,
     StageConfig,
     StorageOptions,
     check_url,
@@ -36,7 +37,7 @@ class LabelRange(BaseModel):
     stop: Label | None = Field(None, description="Last label kept (inclusive); open when omitted.")
 
 
-class IndexRange(BaseModel):
+class IndexRange(NoBoolNumbers):
     """Positions ``start:stop:step`` (stop excluded, like ``slice`` in ``.isel``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -4,19 +4,33 @@ A worker that runs flows triggered by other people (a Prefect UI "Custom run")
 can pin where runs may write: ``GRIDSOLVE_ALLOWED_ROOTS`` (folders separated
 by ``:``). Output files and cache folders must then resolve — after ``..`` and
 symbolic links — inside one of them. Unset, any writable path is allowed.
+
+Wherever it may write, a run never writes over what it reads:
+:func:`refuse_destructive_outputs` compares its outputs with its inputs, the
+config file and the cache before any work.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import os
+import posixpath
 import shutil
 import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from gridsolve.schemas.base import is_url
 from gridsolve.schemas.errors import ConfigError, InputError, OutputError
+from gridsolve.schemas.templating import render_template
+
+if TYPE_CHECKING:
+    from gridsolve.schemas.pipeline import PipelineConfig
 
 ALLOWED_ROOTS_ENV = "GRIDSOLVE_ALLOWED_ROOTS"
 #: Object-store prefixes (``s3://bucket/prefix``, separated by spaces) writes may go to
@@ -205,3 +219,190 @@ def atomic_folder(final: Path) -> Iterator[Path]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- outputs that would destroy
+#: Files a run writes beside ``write.path`` (flows/quicklook.py, stages/write/netcdf.py).
+QUICKLOOK_SUFFIX = ".quicklook.png"
+LOSS_SUFFIX = ".loss.png"
+WEIGHTS_SUFFIX = ".weights.safetensors"
+
+
+@dataclass(frozen=True)
+class Place:
+    """A path a run reads or writes, with the config field it comes from (for messages)."""
+
+    label: str
+    path: str
+    #: a pattern (an object-store glob that was not listed): matched, not compared
+    pattern: bool = False
+
+
+def run_outputs(cfg: PipelineConfig, values: Mapping[str, str] | None = None) -> list[Place]:
+    """What a run of ``cfg`` writes: ``write.path`` and the files beside it.
+
+    The quick-look picture always; the trained weights and the loss picture when
+    training runs. ``values`` fill ``{placeholders}`` as the run would. A plugin
+    writer without a ``path`` field writes nothing gridsolve knows of.
+    """
+    path = getattr(cfg.write, "path", None)
+    if not isinstance(path, str):
+        return []
+    path = _absolute(render_template(path, values) if values else path)
+    out = [Place("write.path", path)]
+    if cfg.train.active:
+        out.append(
+            Place("the trained weights (write.path + .weights.safetensors)", path + WEIGHTS_SUFFIX)
+        )
+        out.append(Place("the loss picture (write.path + .loss.png)", path + LOSS_SUFFIX))
+    out.append(
+        Place("the quick-look picture (write.path + .quicklook.png)", path + QUICKLOOK_SUFFIX)
+    )
+    return out
+
+
+def run_reads(
+    cfg: PipelineConfig,
+    config_file: str | Path | None = None,
+    values: Mapping[str, str] | None = None,
+) -> list[Place]:
+    """What a run of ``cfg`` reads or keeps, which its outputs must never replace.
+
+    Every input file each stage names (``load.path``, ``model.weights``, …),
+    local globs expanded to the files they match now and templates filled with
+    ``values``; the config file; the cache root. An object-store glob stays a
+    pattern (listing a bucket here would cost a request per check).
+    """
+    places: list[Place] = []
+    for kind, conf in cfg.stage_configs().items():
+        for field, value in conf.input_files().items():
+            label = f"{kind}.{field}"
+            for item in [value] if isinstance(value, str) else value:
+                item = render_template(item, values) if values else item
+                magic = any(c in item for c in "*?[")
+                if is_url(item):
+                    places.append(Place(label, item, pattern=magic))
+                elif magic and not os.path.exists(item):  # a folder may be named "exp[2]"
+                    places += [Place(label, m) for m in sorted(glob.glob(item))]
+                else:
+                    places.append(Place(label, item))
+    if config_file is not None:
+        places.append(Place("the config file", _absolute(str(config_file))))
+    places.append(Place("cache.root", _absolute(cfg.cache.root)))
+    return places
+
+
+def _absolute(path: str) -> str:
+    return path if is_url(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def _normal(path: str) -> str:
+    """A comparable form: real path (links, ``..``) in the file system's case; a URL tidied."""
+    if is_url(path):
+        scheme, rest = path.split("://", 1)
+        bucket, _, key = rest.partition("/")
+        key = posixpath.normpath("/" + key).lstrip("/") if key else ""
+        return f"{scheme.lower()}://{bucket.lower()}/{key}".rstrip("/")
+    return os.path.normcase(os.path.realpath(path))
+
+
+def _inside(inner: str, outer: str) -> bool:
+    """Whether normalised ``inner`` is ``outer`` or lies under it."""
+    sep = "/" if is_url(outer) else os.sep
+    return inner == outer or inner.startswith(outer.rstrip(sep) + sep)
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _lineage(path: str) -> list[tuple[int, int]]:
+    """Identities of ``path`` and of each existing folder above it (nearest first)."""
+    out = []
+    here = os.path.abspath(path)
+    while True:
+        ident = _identity(here)
+        if ident is not None:
+            out.append(ident)
+        parent = os.path.dirname(here)
+        if parent == here:
+            return out
+        here = parent
+
+
+def _relation(out: Place, read: Place, above: list[tuple[int, int]]) -> str | None:
+    """How ``out`` would destroy ``read`` (it resolves to, lies inside, contains it), or None.
+
+    ``above``: the identities of the existing folders above ``out``.
+    """
+    if is_url(out.path) != is_url(read.path):
+        return None
+    a = _normal(out.path)
+    if read.pattern:
+        return "is matched by" if fnmatch.fnmatchcase(a, _normal(read.path)) else None
+    b = _normal(read.path)
+    if a == b:
+        return "resolves to"
+    if _inside(a, b):
+        return "lies inside"
+    if _inside(b, a):
+        return "contains"
+    if is_url(out.path):
+        return None
+    # The same file under another name: a hard link, another case on a
+    # case-insensitive disk, a bind mount. Only existing files have an identity.
+    here, theirs = _identity(out.path), _identity(read.path)
+    if theirs is not None and here == theirs:
+        return "is the same file as"
+    if theirs is not None and theirs in above:
+        return "lies inside"
+    inside_out = here is not None and os.path.isdir(out.path)
+    if inside_out and here in _lineage(os.path.dirname(os.path.abspath(read.path))):
+        return "contains"
+    return None
+
+
+def refuse_destructive_outputs(
+    cfg: PipelineConfig,
+    config_file: str | Path | None = None,
+    values: Mapping[str, str] | None = None,
+) -> None:
+    """ConfigError, before any work, when a run of ``cfg`` would write over what it reads.
+
+    An output (``write.path`` and the files written beside it) must not resolve
+    — through symbolic or hard links, ``..`` or letter case — to an input file
+    or store, the config file or a weights file the run reads, nor lie inside
+    the cache root or an input store, nor contain any of them (a Zarr store is
+    replaced as a whole folder). Object-store URLs are compared as normalised
+    text. Called by ``gridsolve run`` and ``validate`` and by the flow itself
+    (a run triggered in the UI), so every way in is refused alike.
+    """
+    outputs = run_outputs(cfg, values)
+    if not outputs:
+        return
+    reads = run_reads(cfg, config_file, values)
+    clashes = []
+    for o in outputs:
+        above = [] if is_url(o.path) else _lineage(os.path.dirname(o.path))
+        clashes += [(o, r, rel) for r in reads if (rel := _relation(o, r, above))]
+    if not clashes:
+        return
+    out, read, rel = clashes[0]
+    what = "the run would replace it" if rel != "contains" else "the run would delete it"
+    if read.label == "cache.root":
+        what = "the cache's artifacts would be overwritten or deleted"
+    shown = f"{out.label} {out.path}"
+    if out.label != "write.path":
+        shown += f" (from write.path {outputs[0].path})"
+    raise ConfigError(
+        f"{shown} {rel} {read.label} {read.path}: {what}",
+        stage=f"write/{cfg.write.impl}",
+        violations=[f"{o.label} {o.path} {x} {r.label} {r.path}" for o, r, x in clashes[1:]],
+        fix=f"set write.path to another name: write.path must differ from {read.label} "
+        f"({read.path}) and every other file the run reads (inputs, the config file, "
+        "model.weights), and lie outside cache.root and any input Zarr store",
+    )

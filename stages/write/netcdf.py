@@ -46,7 +46,9 @@ from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
 from gridsolve.stages.engine.versions import package_versions
 from gridsolve.stages.load.contract import plane_window
+from gridsolve.stages.load.files import ZARR_MARKERS
 from gridsolve.stages.write.direct import ChunkWriter
+from gridsolve.stages.write.retention import is_gridsolve_output
 
 VERSION = "1"
 STAGE = "write/netcdf"
@@ -73,42 +75,58 @@ def _free_bytes(folder: Path) -> int:
 
 
 def check_output_url(
-    url: str, overwrite: bool, options: Mapping[str, Any], folder: bool = False
+    url: str,
+    overwrite: bool,
+    options: Mapping[str, Any],
+    folder: bool = False,
+    stage: str = STAGE,
 ) -> str:
     """The output URL; OutputError if its bucket is missing or refuses us, or it is not replaceable.
 
     ``folder``: the output is a prefix (a Zarr store), replaced as a whole.
     """
-    url = ensure_allowed_url(url.rstrip("/"), "output URL", STAGE)
+    url = ensure_allowed_url(url.rstrip("/"), "output URL", stage)
     # A store is probed inside its own prefix: a policy that refuses writes there is
     # found before the previous store is touched.
     where = url if folder else url.rsplit("/", 1)[0]
-    remote.probe_writable(where, options, "output", OutputError, STAGE, shown=url)
-    with remote.translated(url, "output", OutputError, STAGE, options):
+    remote.probe_writable(where, options, "output", OutputError, stage, shown=url)
+    with remote.translated(url, "output", OutputError, stage, options):
         objects = remote.find(url, options)
         # a complete store, or what a killed gridsolve writer left (its marker object)
-        is_store = f"{url}/.zmetadata" in objects or f"{url}/.gridsolve-writing" in objects
+        is_store = f"{url}/.gridsolve-writing" in objects or (
+            f"{url}/.zmetadata" in objects and _store_is_ours(url, options)
+        )
         is_object = url in objects
     if folder and is_object:
         raise OutputError(
             f"output URL {url} is an object, not a Zarr store",
-            stage=STAGE,
+            stage=stage,
             fix="set write.path to a new name (e.g. s3://bucket/out.zarr), or remove the object",
         )
     if objects and not is_object and not (folder and is_store):
         raise OutputError(
             f"output URL {url} is a prefix holding objects that are not "
             f"{'a gridsolve Zarr store' if folder else 'one file'}; they are left as they are",
-            stage=STAGE,
+            stage=stage,
             fix="set write.path to a new name",
         )
     if objects and not overwrite:
         raise OutputError(
             f"output {url} exists and write.overwrite is false",
-            stage=STAGE,
+            stage=stage,
             fix="remove it, set write.overwrite: true, or template write.path with {flow_run_name}",
         )
     return url
+
+
+def _store_is_ours(url: str, options: Mapping[str, Any]) -> bool:
+    """Whether the consolidated Zarr store at ``url`` carries gridsolve's provenance."""
+    try:
+        raw = remote.filesystem(url, options).cat_file(f"{url}/.zmetadata")
+        attrs = json.loads(raw).get("metadata", {}).get(".zattrs", {})
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(attrs, dict) and "gridsolve_config" in attrs
 
 
 def check_write_target(config: Any) -> None:
@@ -123,18 +141,20 @@ def check_write_target(config: Any) -> None:
             config.overwrite,
             config.storage_options,
             folder=isinstance(config, ZarrWrite),
+            stage=f"write/{config.impl}",
         )
 
 
-def check_output_path(path: str, overwrite: bool, folder: bool = False) -> Path:
+def check_output_path(path: str, overwrite: bool, folder: bool = False, stage: str = STAGE) -> Path:
     """The output path, its folder created if missing; OutputError if it cannot be written.
 
     ``folder``: the output is itself a folder (a Zarr store), replaced as a whole.
+    Only a previous gridsolve output is ever replaced (see :func:`refuse_foreign`).
     """
-    p = ensure_allowed(path, "output file", STAGE)
+    p = ensure_allowed(path, "output file", stage)
     parent = p.parent
     if parent.exists() and not parent.is_dir():
-        raise OutputError(f"output folder {parent} is a file", stage=STAGE, fix="fix write.path")
+        raise OutputError(f"output folder {parent} is a file", stage=stage, fix="fix write.path")
     try:
         parent.mkdir(
             parents=True, exist_ok=True
@@ -142,39 +162,69 @@ def check_output_path(path: str, overwrite: bool, folder: bool = False) -> Path:
     except OSError as exc:
         raise OutputError(
             f"cannot create the output folder {parent}: {exc.strerror or exc}",
-            stage=STAGE,
+            stage=stage,
             fix="set write.path to a writable location, or create the folder first",
         ) from exc
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(
             f"output folder {parent} is not writable",
-            stage=STAGE,
+            stage=stage,
             fix="set write.path to a writable folder, or fix its permissions",
         )
     if p.is_dir() and not folder:
         raise OutputError(
-            f"output path {p} is a folder", stage=STAGE, fix="set write.path to a file name"
+            f"output path {p} is a folder", stage=stage, fix="set write.path to a file name"
         )
     if folder and p.exists() and not p.is_dir():
         raise OutputError(
             f"output path {p} is a file, not a Zarr store",
-            stage=STAGE,
+            stage=stage,
             fix="set write.path to a new name (e.g. out.zarr), or remove the file",
-        )
-    if folder and p.is_dir() and not (p / ".zmetadata").is_file() and any(p.iterdir()):
-        # Replacing means deleting: only a store gridsolve could have written.
-        raise OutputError(
-            f"output path {p} is a folder that is not a Zarr store; it is left as it is",
-            stage=STAGE,
-            fix="set write.path to a new name (e.g. out.zarr) or to an existing store",
         )
     if p.exists() and not overwrite:
         raise OutputError(
             f"output file {p} exists and write.overwrite is false",
-            stage=STAGE,
+            stage=stage,
             fix="remove it, set write.overwrite: true, or template write.path with {flow_run_name}",
         )
+    refuse_foreign(p, folder, stage)
     return p
+
+
+def refuse_foreign(p: Path, folder: bool, stage: str) -> None:
+    """OutputError when ``p`` exists and is not an output gridsolve wrote (it is never replaced).
+
+    Replacing means deleting, so both writers replace only what carries the
+    provenance every gridsolve output has (``gridsolve_config``; see
+    :func:`~gridsolve.stages.write.retention.is_gridsolve_output`): a Zarr
+    store of either format version, a NetCDF file, or anything else without it
+    (someone's data, an input) is left as it is. An empty file or folder holds
+    nothing to lose and is replaced.
+    """
+    if folder and p.is_dir():
+        if not any(p.iterdir()) or is_gridsolve_output(p):
+            return
+        if any((p / m).exists() for m in ZARR_MARKERS):
+            raise OutputError(
+                f"output path {p} is a Zarr store that gridsolve did not write (its attributes "
+                "carry no gridsolve provenance); it is left as it is",
+                stage=stage,
+                fix="set write.path to a new name (e.g. out.zarr); only a previous gridsolve "
+                "output is replaced",
+            )
+        raise OutputError(
+            f"output path {p} is a folder that is not a Zarr store; it is left as it is",
+            stage=stage,
+            fix="set write.path to a new name (e.g. out.zarr) or to an existing store",
+        )
+    if not folder and p.is_file() and p.stat().st_size > 0 and not is_gridsolve_output(p):
+        raise OutputError(
+            f"output file {p} exists and is not a gridsolve output (no gridsolve_config "
+            "attribute); it is left as it is",
+            stage=stage,
+            fix="set write.path to a new name, or remove that file yourself if it may go; only "
+            "a previous gridsolve output is replaced",
+        )
 
 
 def chunk_sizes(

@@ -41,7 +41,7 @@ from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
 from gridsolve.stages.load.contract import plane_window
 from gridsolve.stages.write import netcdf as nc_writer
 
-STAGE = "write"
+STAGE = "write/zarr"
 VERSION = "1"
 #: Zarr format 2: consolidated metadata (``.zmetadata``) and text arrays are part of its
 #: specification (in format 3 both are still extensions that zarr-python warns about).
@@ -161,7 +161,7 @@ def write_zarr(
     """Write the output store (complete, then renamed into place) and return its path."""
     if remote.is_url(config.path):
         return _write_to_url(config, load, design, tiled, attrs, train)
-    final = nc_writer.check_output_path(config.path, config.overwrite, folder=True)
+    final = nc_writer.check_output_path(config.path, config.overwrite, folder=True, stage=STAGE)
     sweep_dead_temporaries(final)
     nc_writer.tile_plan(tiled)
     try:
@@ -233,7 +233,9 @@ def _write_to_url(
     new one's ``.zmetadata`` lands, last. A failure deletes what was written.
     """
     options = config.storage_options
-    url = nc_writer.check_output_url(config.path, config.overwrite, options, folder=True)
+    url = nc_writer.check_output_url(
+        config.path, config.overwrite, options, folder=True, stage=STAGE
+    )
     nc_writer.tile_plan(tiled)  # before the old store is touched
     weights = f"{url}.weights.safetensors"
     beside = [weights, f"{url}.quicklook.png", f"{url}.loss.png"]  # describe the old store

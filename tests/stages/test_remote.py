@@ -317,6 +317,15 @@ def test_zarr_output_replaces_what_a_killed_writer_left_but_not_other_data(
     with pytest.raises(OutputError, match="not a gridsolve Zarr store"):
         run(sections(src, s3.url("theirs.zarr"), str(tmp_path / "cache")))
     assert s3.fs.cat_file(f"{s3.bucket}/theirs.zarr/notes.txt") == b"someone's data"
+    # gridsolve's own complete store is replaced; a consolidated store xarray wrote is not
+    run(sections(src, s3.url("out.zarr"), str(tmp_path / "cache-2")))
+    xr.testing.assert_allclose(load(s3.url("out.zarr")), local_out, rtol=1e-12)
+    cube.to_zarr(tmp_path / "xr.zarr", zarr_format=2, consolidated=True)
+    s3.fs.put(str(tmp_path / "xr.zarr"), f"{s3.bucket}/xr.zarr", recursive=True)
+    before = s3.fs.cat_file(f"{s3.bucket}/xr.zarr/.zmetadata")
+    with pytest.raises(OutputError, match=r"\[write/zarr\] .* not a gridsolve Zarr store"):
+        run(sections(src, s3.url("xr.zarr"), str(tmp_path / "cache")))
+    assert s3.fs.cat_file(f"{s3.bucket}/xr.zarr/.zmetadata") == before
 
 
 def test_quick_look_of_a_bucket_output_uses_the_write_storage_options(

@@ -152,3 +152,17 @@ def test_urls_and_plain_paths_are_left_alone(
     unset = NetCDFWrite(path=str(tmp_path / "o-{date}.nc"))
     assert apply_keep_last(unset, str(tmp_path / "o-2024-01-01.nc"), time.time_ns(), logger) == []
     assert plain.exists()
+
+
+@pytest.mark.parametrize(("zarr_format", "consolidated"), [(2, True), (2, False), (3, False)])
+def test_a_store_is_ours_by_its_provenance_whatever_its_format(
+    tmp_path: Path, zarr_format: int, consolidated: bool
+) -> None:
+    ds = make_ds(n_obs=4, ny=2, nx=3)
+    theirs, ours = tmp_path / "theirs.zarr", tmp_path / "ours.zarr"
+    ds.to_zarr(theirs, zarr_format=zarr_format, consolidated=consolidated)
+    ds.assign_attrs(gridsolve_config="{}").to_zarr(
+        ours, zarr_format=zarr_format, consolidated=consolidated
+    )
+    assert not is_gridsolve_output(theirs)
+    assert is_gridsolve_output(ours)

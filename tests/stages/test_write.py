@@ -115,6 +115,22 @@ def test_existing_output_is_kept_without_overwrite(built: Chain, tmp_path: Path)
     assert out.read_text() == "precious"
 
 
+def test_a_file_gridsolve_did_not_write_is_never_replaced(built: Chain, tmp_path: Path) -> None:
+    """Replacing a NetCDF file that is not a gridsolve output would destroy someone's data."""
+    theirs = tmp_path / "theirs.nc"
+    make_ds(n_obs=4, ny=2, nx=3).to_netcdf(theirs)
+    before = theirs.read_bytes()
+    with pytest.raises(OutputError, match="is not a gridsolve output"):
+        built.whole("write", NetCDFWrite(path=str(theirs)))
+    assert theirs.read_bytes() == before
+    empty = tmp_path / "empty.nc"
+    empty.touch()  # nothing to lose: replaced
+    built.whole("write", NetCDFWrite(path=str(empty)))
+    built.whole("write", NetCDFWrite(path=str(empty), zlib=False))  # our own: replaced
+    with xr.open_dataset(empty) as ds:
+        assert "gridsolve_config" in ds.attrs
+
+
 def test_failure_mid_write_leaves_nothing(chain: Chain, write_cube: Any, tmp_path: Path) -> None:
     # A model whose output dim clashes with a grid dim is only detected while writing.
     from my_models import TinyMLP

@@ -120,6 +120,20 @@ def test_a_file_in_the_way_is_one_clear_error(ctx: Any, tmp_path: Path) -> None:
     assert (tmp_path / "out.zarr").read_text() == "not a store"
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_store_gridsolve_did_not_write_is_left_alone(
+    ctx: Any, tmp_path: Path, zarr_format: int
+) -> None:
+    """Replacing a store deletes it: a store without gridsolve's provenance is never replaced."""
+    src = cube(tmp_path)
+    theirs = tmp_path / "theirs.zarr"
+    make_ds(n_obs=4, ny=2, nx=3).to_zarr(theirs, zarr_format=zarr_format, mode="w")
+    files = {p: p.read_bytes() for p in theirs.rglob("*") if p.is_file()}
+    with pytest.raises(OutputError, match=r"\[write/zarr\] .* Zarr store that gridsolve did not"):
+        run(ctx, tmp_path, src, {"impl": "zarr", "path": str(theirs)})
+    assert {p: p.read_bytes() for p in theirs.rglob("*") if p.is_file()} == files
+
+
 def test_a_folder_that_is_not_a_store_is_left_alone(ctx: Any, tmp_path: Path) -> None:
     src = cube(tmp_path)
     folder = tmp_path / "results"

@@ -1,0 +1,120 @@
+"""Reading a config as written: strict ``--set`` values, duplicate keys, its folder's paths."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from testkit import make_ds
+
+GRIDSOLVE = str(Path(sys.executable).parent / "gridsolve")
+
+
+def gridsolve(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [GRIDSOLVE, *args], cwd=cwd, capture_output=True, text=True, timeout=900, env=os.environ
+    )
+
+
+def write_config(folder: Path, **sections: object) -> Path:
+    make_ds(n_obs=8, ny=3, nx=4).to_netcdf(folder / "cube.nc")
+    raw = {
+        "load": {"path": "cube.nc"},
+        "design": {"impl": "polynomial", "degree": 1},
+        "model": {"input_dim": 2, "hidden_dim": 1},
+        "write": {"path": "out.nc"},
+        **sections,
+    }
+    p = folder / "gridsolve.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("design.degree=true", ["design.degree", "true is a bool"]),
+        ("design.degree=0x10", ["design.degree", "'0x10'"]),
+        ("design.degree=0o20", ["design.degree", "'0o20'"]),
+        ("execution.max_workers=false", ["execution.max_workers", "false is a bool"]),
+        ("solve.ridge=true", ["solve.ridge", "true is a bool"]),
+    ],
+)
+def test_a_bool_or_hex_for_a_number_is_refused(
+    tmp_path: Path, override: str, needles: list[str]
+) -> None:
+    res = gridsolve("validate", str(write_config(tmp_path)), "--set", override)
+    assert res.returncode == 2, res.stdout
+    assert "Traceback" not in res.stderr
+    for needle in needles:
+        assert needle in res.stderr, res.stderr
+
+
+def test_plain_numbers_and_bools_still_work(tmp_path: Path) -> None:
+    res = gridsolve(
+        "validate",
+        str(write_config(tmp_path)),
+        "--set",
+        "design.degree=3",
+        "--set",
+        "solve.policy=ridge",
+        "--set",
+        "solve.ridge=1e-3",
+        "--set",
+        "write.zlib=false",
+        "--set",
+        "load.variable=no",  # YAML 1.1's bool: a name here
+    )
+    assert res.returncode == 0, res.stderr
+    shown = yaml.safe_load(res.stdout.rsplit("config is valid", 1)[0])
+    assert shown["design"]["degree"] == 3
+    assert shown["solve"]["ridge"] == 0.001
+    assert shown["write"]["zlib"] is False
+    assert shown["load"]["variable"] == "no"
+
+
+def test_duplicate_keys_name_the_key_and_both_lines(tmp_path: Path) -> None:
+    make_ds(n_obs=8, ny=3, nx=4).to_netcdf(tmp_path / "cube.nc")
+    cfg = tmp_path / "dup.yaml"
+    cfg.write_text(
+        "load:\n"  # 1
+        "  path: cube.nc\n"  # 2
+        "design:\n"  # 3
+        "  impl: polynomial\n"  # 4
+        "  degree: 1\n"  # 5
+        "  degree: 2\n"  # 6
+        "load:\n"  # 7
+        "  path: other.nc\n"  # 8
+    )
+    for command in ("validate", "run"):
+        res = gridsolve(command, str(cfg))
+        assert res.returncode == 2, res.stdout
+        assert "'load' on lines 1 and 7" in res.stderr, res.stderr
+        assert "'design.degree' on lines 5 and 6" in res.stderr, res.stderr
+    assert not (tmp_path / "gridsolve-output.nc").exists()
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_rerun_from_another_folder_hits_the_same_cache(tmp_path: Path) -> None:
+    """No cache section: the default cache.root is in the config's folder, wherever it runs."""
+    project = tmp_path / "project"
+    project.mkdir()
+    cfg = write_config(project)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    first = gridsolve("run", str(cfg), cwd=project)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = gridsolve("run", "../project/gridsolve.yaml", cwd=elsewhere)
+    assert again.returncode == 0, again.stderr[-3000:]
+    table = again.stdout.split("tiles:")[0].splitlines()
+    rows = table[table.index(next(ln for ln in table if ln.startswith("---"))) + 1 :]
+    assert len(rows) >= 5 and all(re.search(r"\bhit\b", ln) for ln in rows), again.stdout
+    assert (project / ".gridsolve-cache").is_dir() and (project / "out.nc").is_file()
+    assert not (tmp_path / ".gridsolve-cache").exists()
+    assert not (elsewhere / ".gridsolve-cache").exists()
