@@ -899,6 +899,10 @@ FLAGS = (
     "-Wno-psabi",
 )
 
+#: Wall-clock limit of one compiler run: the compiler never waits on input, so this
+#: only guards against a wedged toolchain, never against a slow, shared machine.
+BUILD_TIMEOUT_S = 1800
+
 _LOCK = threading.Lock()
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -966,7 +970,10 @@ def _build(cc: list[str], where: Path) -> Path:
                 [*cc, *FLAGS, *extra, str(src), "-o", str(out), "-lm"],
                 capture_output=True,
                 text=True,
-                timeout=120,
+                # 25 s of CPU on a quiet host, but over 2 min of wall time on a loaded
+                # 2-core one (measured: 2m04 beside three busy jobs); a tight limit made
+                # the build time out there and the run fall back to the eager path
+                timeout=BUILD_TIMEOUT_S,
                 check=False,
             )
             if done.returncode == 0:
