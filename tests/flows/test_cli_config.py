@@ -57,9 +57,12 @@ def test_a_bool_or_hex_for_a_number_is_refused(
 
 
 def test_plain_numbers_and_bools_still_work(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    # validate opens the cube: a variable named "no" must be in the file
+    make_ds(n_obs=8, ny=3, nx=4).rename(signal="no").to_netcdf(tmp_path / "cube.nc")
     res = gridsolve(
         "validate",
-        str(write_config(tmp_path)),
+        str(config),
         "--set",
         "design.degree=3",
         "--set",
