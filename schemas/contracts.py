@@ -83,6 +83,9 @@ def numeric_kind(dtype: np.dtype) -> bool:
 
 
 #: Per-pixel ``status`` codes of the solve stage (CF flag_values / flag_meanings).
+#: ``underdetermined``: the pixel's valid rows (weight > 0) have numerical rank < coef,
+#: so they do not determine every coefficient; the coefficients are what the policy
+#: computed (minimum norm, ridge), the values derived from undetermined ones are NaN.
 STATUS_FLAGS: dict[int, str] = {
     0: "ok",
     1: "all_missing",
@@ -90,13 +93,16 @@ STATUS_FLAGS: dict[int, str] = {
     3: "fell_back_to_ridge",
     4: "fell_back_to_minimum_norm",
     5: "singular",
+    6: "underdetermined",
 }
 STATUS_CODES: dict[str, int] = {v: k for k, v in STATUS_FLAGS.items()}
 
 #: Per-pixel ``model_status`` codes of the model stage (CF flag_values / flag_meanings).
 #: ``input_not_finite``: the coefficients are not finite (the solve status is not ok,
-#: 3 or 4): every model output is NaN. ``target_not_finite``: the MSE target has a
-#: NaN/inf value: prediction and Jacobians are computed, gradients are NaN.
+#: 3, 4 or 6): every model output is NaN. An ``underdetermined`` pixel keeps the finite
+#: coefficients its policy computed (minimum norm, ridge), so the model runs on them.
+#: ``target_not_finite``: the MSE target has a NaN/inf value: prediction and
+#: Jacobians are computed, gradients are NaN.
 #: ``output_not_finite``: inputs are finite but a prediction, gradient or Jacobian
 #: value is not (overflow, log of a negative, …): the values are kept as computed.
 MODEL_STATUS_FLAGS: dict[int, str] = {

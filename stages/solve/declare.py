@@ -14,7 +14,7 @@ from gridsolve.schemas.contracts import ArraySpec
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.engine.registry import Lazy, StageDecl, register
 
-VERSION = "1"
+VERSION = "2"
 
 TILE_OUTPUTS = {
     "coefficients": ArraySpec(("coef", "y", "x"), "f"),
@@ -30,7 +30,8 @@ def pixel_bytes(prepared: Mapping[str, Any]) -> int:
     # uncertainty: float64 moments and the stored results (stderr; the covariance); t and
     # p are the writer's
     extra = {"none": 0, "stderr": 5 * coef + 12, "cov": 5 * coef + 12 + 2 * coef * coef}
-    return n_obs * (8 + 8 + 1) + 8 * (coef + 2) + 8 * extra[prepared.get("uncertainty", "none")]
+    # + coef: the undetermined-coefficient mask of a tile with underdetermined pixels
+    return n_obs * (8 + 8 + 1) + 9 * coef + 16 + 8 * extra[prepared.get("uncertainty", "none")]
 
 
 register(

@@ -297,7 +297,7 @@ GS_API void gs_gap_solve(long k, long np, const double *L, const int64_t *rows, 
 
 /* lstsq._statistics for pixels [p0, p1), each pixel's coefficients C (rows cs apart) and
    unscaled variances var (rows vs apart): standard errors and t (rows os apart), dof,
-   R² and flags. A pixel is solved when its status is one of ok[0..2] and its
+   R² and flags. A pixel is solved when its status is one of ok[0..3] and its
    coefficients are finite. dof = n − edf, rounded to an integer within 1e-6 unless
    ridge or the pixel fell back to ridge (status fell); sigma = wrms √(n/dof) (scaled)
    or 1; stderr = √var · sigma; R² = 1 − (wrms/trms)²; flags: 1 a
@@ -320,7 +320,8 @@ GS_API void gs_statistics(long coef, const double *C, long cs, const signed char
             }
         }
         /* branch-free, on doubles only (loaded first), so that GCC vectorises it */
-        const double o0 = okc[0], o1 = okc[1], o2 = okc[2], fr = fell, nan_ = NAN;
+        const double o0 = okc[0], o1 = okc[1], o2 = okc[2], o3 = okc[3];
+        const double fr = fell, nan_ = NAN;
         const double round_rank = ridge ? 0.0 : 1.0, residual = scaled ? 1.0 : 0.0;
         double sol[BW], dofs[BW], svs[BW], nvs[BW];
         for (long p = 0; p < w; ++p) svs[p] = (double)status[b0 + p];
@@ -331,6 +332,7 @@ GS_API void gs_statistics(long coef, const double *C, long cs, const signed char
             double sd = sv == o0 ? 1.0 : 0.0;
             sd = sv == o1 ? 1.0 : sd;
             sd = sv == o2 ? 1.0 : sd;
+            sd = sv == o3 ? 1.0 : sd;
             sd = fi > 0.5 ? sd : 0.0;
             double dof = sd > 0.5 ? n - e : nan_;
             double whole = rint(dof);
@@ -1211,7 +1213,7 @@ def statistics(
     edf: np.ndarray,
     ridge: bool,
     scaled: bool,
-    ok_codes: tuple[int, int, int],
+    ok_codes: tuple[int, int, int, int],
     fell_back_ridge: int,
     out: dict[str, np.ndarray],
 ) -> None:

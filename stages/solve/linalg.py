@@ -48,6 +48,9 @@ TOO_FEW = STATUS_CODES["too_few_observations"]
 FELL_BACK_RIDGE = STATUS_CODES["fell_back_to_ridge"]
 FELL_BACK_MINNORM = STATUS_CODES["fell_back_to_minimum_norm"]
 SINGULAR = STATUS_CODES["singular"]
+UNDERDETERMINED = STATUS_CODES["underdetermined"]
+#: The statuses of pixels whose coefficients are finite (solved by some policy).
+SOLVED = (OK, FELL_BACK_RIDGE, FELL_BACK_MINNORM, UNDERDETERMINED)
 
 #: Refinement steps of the per-pixel normal equations, and the relative size
 #: of the last correction (its largest magnitude over the coefficients' largest)
@@ -92,6 +95,9 @@ class Operator:
     method: str
     #: (coef,) whether each coefficient is identifiable (see IDENT_TOL)
     identifiable: np.ndarray | None = None
+    #: (coef,) whether the rows determine each coefficient, whatever the policy (ridge
+    #: too): its unit vector lies in their row space at the rank cutoff; None: all do
+    determined: np.ndarray | None = None
 
 
 def _filter(s: np.ndarray, how: str, ridge: float, cutoff: float) -> np.ndarray:
@@ -118,6 +124,7 @@ def svd_operator(
     U, s, Vt = svd if svd is not None else np.linalg.svd(Aw, full_matrices=False)
     cut = pol.cutoff(rows, coef)
     rank = int((s > cut * (s[0] if s.size else 0.0)).sum()) if s.size else 0
+    determined = None if rank == coef else (Vt[:rank] ** 2).sum(axis=0) >= 1.0 - IDENT_TOL
     how, status = pol.policy, OK
     if how == "cholesky":
         if rank == coef:
@@ -138,9 +145,13 @@ def svd_operator(
                 float("inf"),
                 "singular",
                 np.zeros(coef, dtype=bool),
+                determined,
             )
         how = pol.fallback
         status = FELL_BACK_RIDGE if how == "ridge" else FELL_BACK_MINNORM
+    if rank < coef:
+        # truly rank-deficient: the policy's solution is kept, never labelled ok
+        status = UNDERDETERMINED
     inv = _filter(s, how, pol.ridge, cut)
     P = (Vt.T * inv) @ U.T
     cond = float(s[0] * inv.max()) if s.size and inv.max() > 0 else float("inf")
@@ -148,7 +159,7 @@ def svd_operator(
         ident = np.ones(coef, dtype=bool)
     else:
         ident = (Vt[:rank] ** 2).sum(axis=0) >= 1.0 - IDENT_TOL
-    return Operator(P, status, rank, cond, "svd-" + how, ident)
+    return Operator(P, status, rank, cond, "svd-" + how, ident, determined)
 
 
 def spans_constant(A: np.ndarray, pol: Policy) -> bool:
@@ -757,6 +768,16 @@ def svd_per_pixel(
     return _svd_solve(A, B0, Wp, how, pol, None)[0]
 
 
+def determined_columns(A: torch.Tensor, Wp: torch.Tensor, pol: Policy) -> torch.Tensor:
+    """(coef, P): whether each pixel's rows of weight > 0 determine each coefficient.
+
+    Coefficient j is determined when the unit vector e_j lies in the row space of
+    the pixel's valid rows (numerical rank at the policy's cutoff, see IDENT_TOL),
+    whatever the policy.
+    """
+    return _svd_solve(A, torch.zeros_like(Wp), (Wp > 0).to(A.dtype), "minnorm", pol, None)[2]
+
+
 def _svd_solve(
     A: torch.Tensor,
     B0: torch.Tensor,
@@ -764,14 +785,18 @@ def _svd_solve(
     how: str,
     pol: Policy,
     full: bool | None,
-) -> tuple[torch.Tensor, Spread | None]:
-    """Coefficients (coef, P) by SVD, and their :class:`Spread` unless ``full`` is None."""
+) -> tuple[torch.Tensor, Spread | None, torch.Tensor]:
+    """Coefficients (coef, P) by SVD, their :class:`Spread` (unless ``full`` is None).
+
+    And which coefficients the rows determine (coef, P) (:func:`determined_columns`).
+    """
     obs, coef = A.shape
     S = torch.sqrt(Wp)  # (obs, P)
     X = S.T[:, :, None] * A[None]  # (P, obs, coef)
     y = (S * B0).T  # (P, obs)
     U, s, Vh = torch.linalg.svd(X, full_matrices=False)
     keep = s > pol.cutoff(obs, coef) * s[:, :1]
+    det = (stable_sum(Vh * Vh * keep[:, :, None], dim=1) >= 1.0 - IDENT_TOL).T
     if how == "ridge":
         inv = s / (s * s + pol.ridge)
     else:
@@ -779,18 +804,17 @@ def _svd_solve(
     proj = stable_sum(U * y[:, :, None], dim=1)  # Uᵀy per pixel: (P, k)
     coeffs = stable_sum(Vh * (inv * proj)[:, :, None], dim=1)  # (P, coef)
     if full is None:
-        return coeffs.T, None
+        return coeffs.T, None, det
     Wv = inv[:, :, None] * Vh  # (P, k, coef): P_w = Wvᵀ Uᵀ, so P_w P_wᵀ = Wvᵀ Wv
     var = stable_sum(Wv * Wv, dim=1).T
     cov = torch.bmm(Wv.transpose(1, 2), Wv).permute(1, 2, 0) if full else None
     if how != "ridge":
-        ident = stable_sum(Vh * Vh * keep[:, :, None], dim=1).T >= 1.0 - IDENT_TOL
-        var = var.masked_fill(~ident, torch.nan)
+        var = var.masked_fill(~det, torch.nan)
         if cov is not None:
-            cov = cov.masked_fill(~ident[:, None, :] | ~ident[None, :, :], torch.nan)
+            cov = cov.masked_fill(~det[:, None, :] | ~det[None, :, :], torch.nan)
     ones = stable_sum(U * S.T[:, :, None], dim=1) * keep  # U_rᵀ S1 per pixel
     spans = stable_sum(ones * ones, dim=1) >= (1.0 - CONST_TOL) * stable_sum(Wp)
-    return coeffs.T, Spread(var, stable_sum(s * inv, dim=1), cov, spans)
+    return coeffs.T, Spread(var, stable_sum(s * inv, dim=1), cov, spans), det
 
 
 def solve_per_pixel(
@@ -1106,9 +1130,12 @@ def _settle(
         status[bad] = FELL_BACK_RIDGE if how == "ridge" else FELL_BACK_MINNORM
     for start in range(0, bad.numel(), svd_chunk):
         sel = bad[start : start + svd_chunk]
-        x[:, sel], part = _svd_solve(A, *columns(sel), how, pol, full)
+        x[:, sel], part, det = _svd_solve(A, *columns(sel), how, pol, full)
         if spread is not None and part is not None:
             spread.put(sel, part)
+        # truly rank-deficient rows: underdetermined, whatever the fallback
+        short = sel[~det.all(dim=0)]
+        status[short] = UNDERDETERMINED
     return status
 
 

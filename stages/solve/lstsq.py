@@ -119,6 +119,9 @@ class SharedOperator:
     identifiable: np.ndarray | None = None
     #: the design spans the constant on its rows of weight > 0 (so on every subset)
     spans_const: bool = False
+    #: (coef,) the coefficients the shared design's rows of weight > 0 determine,
+    #: whatever the policy; None: all (full numerical rank)
+    determined: np.ndarray | None = None
 
     @classmethod
     def from_artifact(cls, art: Artifact) -> SharedOperator:
@@ -137,6 +140,9 @@ class SharedOperator:
             if "identifiable" in art
             else None,
             spans_const=bool(art.meta.get("spans_const", False)),
+            determined=np.array(art.array("determined")).astype(bool)
+            if "determined" in art
+            else None,
         )
 
 
@@ -171,6 +177,7 @@ def make_operator(
         data_max=data_max,
         identifiable=op.identifiable,
         spans_const=linalg.spans_constant(A[sqrtw > 0], policy_of(config)),
+        determined=op.determined,
     )
 
 
@@ -225,7 +232,8 @@ def _residual_basis(
     """The :attr:`SharedOperator.Q` of this design, or None where it does not apply or pay."""
     rank_left = A.shape[0] - op.rank
     if (
-        op.status == linalg.OK
+        # underdetermined: the minimum-norm fit is still the projection onto range(A)
+        op.status in (linalg.OK, linalg.UNDERDETERMINED)
         and config.policy != "ridge"
         and (sqrtw == 1).all()
         and rank_left <= A.shape[1]
@@ -258,6 +266,8 @@ def prepare(config: LstsqSolve, inputs: Mapping[str, Artifact], ctx: StageContex
         arrays["Q"] = op.Q
     if op.identifiable is not None:
         arrays["identifiable"] = op.identifiable.astype(np.uint8)
+    if op.determined is not None:
+        arrays["determined"] = op.determined.astype(np.uint8)
     return StageOutput(
         arrays=arrays,
         meta={
@@ -269,6 +279,10 @@ def prepare(config: LstsqSolve, inputs: Mapping[str, Artifact], ctx: StageContex
             "coef": int(A.shape[1]),
             "obs": int(A.shape[0]),
             "spans_const": op.spans_const,
+            # the shared design's coefficients its rows do not determine (gap-free pixels)
+            "undetermined_columns": []
+            if op.determined is None
+            else np.flatnonzero(~op.determined).tolist(),
             "uncertainty": config.uncertainty,
             "cov_scale": config.cov_scale,
         },
@@ -406,7 +420,7 @@ def _refuse_out_of_range(
     bad = ~np.isfinite(rms)
     if not bad.any():
         return
-    bad &= np.isin(status, (linalg.OK, linalg.FELL_BACK_RIDGE, linalg.FELL_BACK_MINNORM))
+    bad &= np.isin(status, linalg.SOLVED)
     if not bad.any():
         return
     first = int(np.flatnonzero(bad)[0])
@@ -561,7 +575,7 @@ class _Moments:
             np.ascontiguousarray(edf, dtype=np.float64),
             self.config.policy == "ridge",
             self.config.cov_scale == "residual",
-            (linalg.OK, linalg.FELL_BACK_RIDGE, linalg.FELL_BACK_MINNORM),
+            linalg.SOLVED,
             linalg.FELL_BACK_RIDGE,
             dest,
         )
@@ -590,13 +604,14 @@ def _shared_spread(
     """Unscaled spread of the shared operator restricted to ``rows`` (its zero-weight rows out)."""
     sw = op.sqrtw[rows]
     ident = op.identifiable if op.identifiable is not None else np.ones(op.A.shape[1], bool)
+    if op.determined is not None:  # ridge's spread of a column the rows do not determine
+        ident = ident & op.determined
     Pw, Aw = op.P[:, rows] / sw[None, :], op.A[rows] * sw[:, None]
     return linalg.operator_spread(Pw, Aw, ident, full)
 
 
 def _solved(C: np.ndarray, status: np.ndarray) -> np.ndarray:
-    ok_codes = (linalg.OK, linalg.FELL_BACK_RIDGE, linalg.FELL_BACK_MINNORM)
-    solved: np.ndarray = np.isin(status, ok_codes) & np.isfinite(C).all(axis=0)
+    solved: np.ndarray = np.isin(status, linalg.SOLVED) & np.isfinite(C).all(axis=0)
     return solved
 
 
@@ -664,10 +679,11 @@ def t_values(coefficients: np.ndarray, stderr: np.ndarray) -> np.ndarray:
 
 
 def p_values(t: np.ndarray, dof: np.ndarray, scaled: bool = True) -> np.ndarray:
-    """Two-sided p-values of t-statistics ``t`` (coef, …) with ``dof`` (…), in ``t``'s dtype.
+    """Two-sided p-values of t-statistics ``t`` (coef, …) with ``dof`` (…), in float64.
 
     Student t with ``dof`` degrees of freedom (NaN where dof ≤ 0); ``scaled``
-    False (``cov_scale: unscaled``): the standard normal.
+    False (``cov_scale: unscaled``): the standard normal. Float64 whatever ``t``'s
+    dtype: float32 underflows p-values below 1.2e-38 (highly significant trends) to 0.
     """
     import scipy.special  # here: a run without uncertainty never needs it
 
@@ -680,7 +696,7 @@ def p_values(t: np.ndarray, dof: np.ndarray, scaled: bool = True) -> np.ndarray:
             p = 2.0 * scipy.special.stdtr(np.where(d > 0, d, np.nan), -np.abs(t64))
         else:
             p = 2.0 * scipy.special.ndtr(-np.abs(t64))
-    out: np.ndarray = p.astype(np.asarray(t).dtype, copy=False)
+    out: np.ndarray = p
     return out
 
 
@@ -740,6 +756,16 @@ class _Gappy:
     per_pixel: np.ndarray  # (P,) left to the per-pixel path
     C: np.ndarray  # (coef, P) in the stored dtype
     rms: np.ndarray  # (P,) in the stored dtype
+    #: (coef, P) the coefficients each pixel's valid rows do not determine; None: none yet
+    undetermined: np.ndarray | None = None
+
+    def mark(self, idx: np.ndarray | slice, undetermined: np.ndarray) -> None:
+        """Record which coefficients of pixels ``idx`` are undetermined: (coef, n) or (coef, 1)."""
+        if self.undetermined is None:
+            if not undetermined.any():
+                return
+            self.undetermined = np.zeros(self.C.shape, dtype=bool)
+        self.undetermined[:, idx] = undetermined
 
 
 @dataclass(frozen=True)
@@ -753,6 +779,7 @@ class _GroupOperator:
     path: str  # "shared" or "pattern"
     spans: bool  # the rows span the constant (R² centred)
     spread: tuple[np.ndarray, float, np.ndarray | None] | None  # None: not asked for, or unknown
+    determined: np.ndarray | None  # (coef,) the coefficients the rows determine; None: all
 
 
 @dataclass(frozen=True)
@@ -824,12 +851,16 @@ def _solve_gapless(blk: _Block) -> StageOutput:
         centred=op.spans_const,
     )
     blk.paths["shared"] = n_px
+    if op.determined is not None:
+        blk.status[:] = linalg.UNDERDETERMINED
     arrays = {
         "coefficients": C,
         "residual_rms": rms,
         "n_valid": np.full(n_px, n_obs, dtype=np.int32),
         "status": blk.status,
     }
+    # every pixel's undetermined coefficients are the shared design's: the writer takes
+    # them from the prepared meta (a (coef, P) mask here was 25 MB a tile of the seed demo)
     if mom is not None:
         all_rows = np.ones(n_obs, dtype=bool)
         spread = _shared_spread(op, all_rows, blk.full)
@@ -838,7 +869,11 @@ def _solve_gapless(blk: _Block) -> StageOutput:
     blk.seconds["shared"] = time.perf_counter() - t0
     return StageOutput(
         arrays=arrays,
-        meta={"status_counts": {"ok": n_px}, "paths": blk.paths, "seconds": blk.seconds},
+        meta={
+            "status_counts": {STATUS_FLAGS[int(blk.status[0])]: n_px} if n_px else {},
+            "paths": blk.paths,
+            "seconds": blk.seconds,
+        },
     )
 
 
@@ -913,6 +948,8 @@ def _solve_group(
         centred=gop.spans,
     )
     blk.status[idx] = gop.status
+    if gop.determined is not None and gop.status != linalg.SINGULAR:
+        g.mark(idx, ~gop.determined[:, None])
     if mom is not None and gop.spread is not None:
         mom.put(idx, g.C[:, idx], g.n_valid[idx], blk.status[idx], wrms, trms, *gop.spread)
     g.per_pixel[idx] = False
@@ -926,11 +963,12 @@ def _shared_restricted(blk: _Block, rows: np.ndarray) -> _GroupOperator:
     return _GroupOperator(
         P=op.P[:, rows],
         Q=op.Q if rows.all() else None,
-        status=linalg.OK,
+        status=linalg.OK if op.determined is None else linalg.UNDERDETERMINED,
         cond=op.cond,
         path="shared",
         spans=op.spans_const,
         spread=_shared_spread(op, rows, blk.full) if blk.mom is not None else None,
+        determined=op.determined,
     )
 
 
@@ -945,10 +983,19 @@ def _pattern_operator(blk: _Block, rows: np.ndarray) -> _GroupOperator:
         Aw = A[rows] * sqrtw[rows, None]
         # None: the pattern's Cholesky succeeded, so every coefficient is identifiable
         ident = g_op.identifiable if g_op.identifiable is not None else np.ones(A.shape[1], bool)
+        if g_op.determined is not None:  # ridge's spread of a column the rows do not determine
+            ident = ident & g_op.determined
         spread = linalg.operator_spread(g_op.P, Aw, ident, blk.full)
         spans = spans or linalg.spans_constant(A[rows], blk.pol)
     return _GroupOperator(
-        P=P, Q=None, status=g_op.status, cond=g_op.cond, path="pattern", spans=spans, spread=spread
+        P=P,
+        Q=None,
+        status=g_op.status,
+        cond=g_op.cond,
+        path="pattern",
+        spans=spans,
+        spread=spread,
+        determined=g_op.determined,
     )
 
 
@@ -1079,12 +1126,20 @@ def _solve_batch(
     if mom is not None and sp is not None:
         var, edf = sp.var.cpu().numpy(), sp.edf.cpu().numpy()
         cov = None if sp.cov is None else sp.cov.cpu().numpy()
+    undet = _undetermined(blk, g, sel, active, sts)
+    if undet is not None and var is not None:
+        # ridge's spread of a coefficient the rows do not determine means nothing
+        var[undet] = np.nan
+        if cov is not None:
+            cov[undet[:, None, :] | undet[None, :, :]] = np.nan
     for on, pick in _stretches(sel, active):
         # Solved in float64: a coefficient beyond the stored dtype is inf once stored,
         # and so is its pixel's residual RMS (checked here, on the batch, while it is hot).
         stored = xs[:, pick].astype(g.C.dtype, copy=False)
         rms = np.where(np.isfinite(stored).all(axis=0), r[pick], np.inf)
         g.C[:, on], g.rms[on], blk.status[on] = stored, rms, sts[pick]
+        if undet is not None:
+            g.mark(on, undet[:, pick])
         if mom is not None and var is not None and edf is not None:
             assert wrms is not None and trms is not None
             mom.put(
@@ -1098,6 +1153,35 @@ def _solve_batch(
                 edf[pick],
                 None if cov is None else cov[:, :, pick],
             )
+
+
+def _undetermined(
+    blk: _Block, g: _Gappy, sel: slice | np.ndarray, active: np.ndarray, status: np.ndarray
+) -> np.ndarray | None:
+    """(coef, batch): the coefficients the batch's pixels' valid rows do not determine.
+
+    Only pixels with fewer valid rows than coefficients, or that the fallback found
+    rank-deficient, are examined (an SVD of their rows); their ``status`` (of the batch,
+    updated) becomes underdetermined. None when no pixel of the batch is.
+    """
+    coef = blk.op.A.shape[1]
+    short = active & (g.n_valid[sel] < coef) & (status != linalg.SINGULAR)
+    short |= active & (status == linalg.UNDERDETERMINED)
+    if not short.any():
+        return None
+    cols = np.flatnonzero(short)
+    out = np.zeros((coef, len(active)), dtype=bool)
+    shared = blk.op.determined
+    if shared is not None and not shared.any():
+        # no subset of rows determines what all the rows do not (coef > obs: none)
+        out[:, cols] = True
+    else:
+        idx = cols + sel.start if isinstance(sel, slice) else sel[cols]
+        valid = torch.from_numpy(g.valid[:, idx].astype(np.float64)).to(blk.device)
+        At = torch.from_numpy(blk.op.A).to(blk.device)
+        out[:, cols] = ~linalg.determined_columns(At, valid, blk.pol).cpu().numpy()
+    status[cols[out[:, cols].any(axis=0)]] = linalg.UNDERDETERMINED
+    return out
 
 
 #: Most stretches of solved pixels a batch is stored in before it is scattered instead.
@@ -1250,6 +1334,8 @@ def _gappy_output(blk: _Block, g: _Gappy) -> StageOutput:
         "n_valid": g.n_valid,
         "status": blk.status,
     }
+    if g.undetermined is not None:
+        arrays["undetermined"] = g.undetermined.astype(np.uint8)
     if blk.mom is not None:
         arrays.update(blk.mom.finish(g.C, blk.status))
     return StageOutput(

@@ -29,7 +29,7 @@ import netCDF4
 import numpy as np
 import xarray as xr
 
-from gridsolve.schemas.contracts import MODEL_STATUS_FLAGS, STATUS_FLAGS
+from gridsolve.schemas.contracts import MODEL_STATUS_FLAGS, STATUS_CODES, STATUS_FLAGS
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
 from gridsolve.schemas.kinds.write import NetCDFWrite, ZarrWrite
 from gridsolve.stages.engine import remote
@@ -50,7 +50,7 @@ from gridsolve.stages.load.files import ZARR_MARKERS
 from gridsolve.stages.write.direct import ChunkWriter
 from gridsolve.stages.write.retention import is_gridsolve_output
 
-VERSION = "1"
+VERSION = "2"
 STAGE = "write/netcdf"
 DEFAULT_CHUNK_Y = 128
 DEFAULT_CHUNK_X = 256
@@ -342,7 +342,7 @@ def _uncertainty_variables(solve: TiledArtifact, y: str, x: str) -> list[dict[st
         },
         {
             "name": "p_value",
-            "src": ("solve", "coef_stderr"),  # its shape and dtype
+            "src": ("solve", "coef_stderr"),  # its shape (float64: float32 underflows small p)
             # a function of t and dof alone, computed here (stages.solve.lstsq.p_values)
             "from_tile": lambda arts: p_values(
                 t_of(arts["solve"]), arts["solve"].array("dof"), scaled
@@ -425,8 +425,37 @@ def _contract_variables(
     return out
 
 
+def _undetermined_nan(
+    values: np.ndarray,
+    arts: Mapping[str, Artifact],
+    shared: Sequence[int],
+    *columns: np.ndarray | int,
+) -> np.ndarray:
+    """``values`` NaN where the pixel's valid rows do not determine the ``columns``.
+
+    ``values`` (float64) has a value per ``columns`` entry and pixel. A tile with
+    gaps has the solve's ``undetermined`` (coef, y, x) mask where one of its pixels
+    is ``underdetermined``; in a gap-free tile every such pixel lacks the shared
+    design's ``shared`` columns (the solve's prepared meta).
+    """
+    solved = arts["solve"]
+    if "undetermined" in solved:
+        und = np.asarray(solved.array("undetermined")) != 0
+    elif shared:
+        status = np.asarray(solved.array("status"))
+        top = max(int(np.max(c)) for c in (shared, *columns)) + 1
+        und = np.zeros((top, *status.shape), dtype=bool)
+        und[list(shared)] = status == STATUS_CODES["underdetermined"]
+    else:
+        return values
+    hit = np.zeros(values.shape, dtype=bool)
+    for col in columns:
+        hit |= und[col]
+    return np.where(hit, np.nan, values)
+
+
 def _harmonic_variables(
-    design: Artifact, units: str | None, y: str, x: str
+    design: Artifact, units: str | None, y: str, x: str, shared: Sequence[int] = ()
 ) -> list[dict[str, Any]]:
     """Amplitude and peak time of each harmonic of a harmonic design, from its cos/sin pair.
 
@@ -443,22 +472,24 @@ def _harmonic_variables(
     period = float(design.meta["period"])
     step = design.meta.get("axis_step")
 
-    def amplitude(a: np.ndarray) -> np.ndarray:
+    def amplitude(arts: Mapping[str, Artifact]) -> np.ndarray:
+        a = arts["solve"].array("coefficients")
         c, s = a[cos_i].astype(np.float64), a[sin_i].astype(np.float64)
-        out: np.ndarray = np.hypot(c, s).astype(a.dtype)
-        return out
+        out = _undetermined_nan(np.hypot(c, s), arts, shared, cos_i, sin_i)
+        return out.astype(a.dtype)
 
-    def peak(a: np.ndarray) -> np.ndarray:
+    def peak(arts: Mapping[str, Artifact]) -> np.ndarray:
+        a = arts["solve"].array("coefficients")
         c, s = a[cos_i].astype(np.float64), a[sin_i].astype(np.float64)
         phi = np.mod(np.arctan2(s, c), 2 * np.pi)
-        out: np.ndarray = (phi * period / (2 * np.pi * ks)).astype(a.dtype)
-        return out
+        out = _undetermined_nan(phi * period / (2 * np.pi * ks), arts, shared, cos_i, sin_i)
+        return out.astype(a.dtype)
 
     return [
         {
             "name": "amplitude",
             "src": ("solve", "coefficients"),
-            "fn": amplitude,
+            "from_tile": amplitude,
             "dims": ("harmonic", y, x),
             "attrs": {
                 "long_name": "amplitude of each harmonic: hypot of its cos and sin coefficients",
@@ -468,7 +499,7 @@ def _harmonic_variables(
         {
             "name": "peak_offset",
             "src": ("solve", "coefficients"),
-            "fn": peak,
+            "from_tile": peak,
             "dims": ("harmonic", y, x),
             "attrs": {
                 "long_name": "time of each harmonic's maximum after the design's t_centre, "
@@ -492,6 +523,8 @@ def output_variables(
     """
     solve, model = tiled["solve"], tiled["model"]
     y, x = load.meta["y_dim"], load.meta["x_dim"]
+    # the shared design's undetermined coefficients (see _undetermined_nan)
+    shared = [int(j) for j in solve.meta.get("undetermined_columns") or ()]
     units = load.meta["attrs"].get("units")
     m = model.meta
     obj = "sum of outputs" if m["objective"] == "sum" else "mean squared error against the target"
@@ -582,11 +615,18 @@ def output_variables(
     trend = design.meta.get("trend")
     if trend is not None:
         col, scale = int(trend["column"]), float(trend["scale"])
+
+        def trend_of(arts: Mapping[str, Artifact]) -> np.ndarray:
+            a = arts["solve"].array("coefficients")
+            trend = a[col].astype(np.float64) / scale
+            return _undetermined_nan(trend, arts, shared, col).astype(a.dtype)
+
         out.append(
             {
                 "name": "trend",
                 "src": ("solve", "coefficients"),
-                "fn": lambda a: (a[col].astype(np.float64) / scale).astype(a.dtype),
+                # NaN where the pixel's valid rows do not determine the trend column
+                "from_tile": trend_of,
                 "dims": (y, x),
                 "attrs": {
                     "coefficient": str(design.meta["columns"][col]),
@@ -597,7 +637,7 @@ def output_variables(
                 },
             }
         )
-    out += _harmonic_variables(design, units, y, x)
+    out += _harmonic_variables(design, units, y, x, shared)
     # Optional outputs (gradients w.r.t. what wrt excludes, the Jacobian) where made.
     kept = [
         v for v in out if tiled[v["src"][0]].tiles and v["src"][1] in tiled[v["src"][0]].tiles[0][1]

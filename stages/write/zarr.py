@@ -42,7 +42,7 @@ from gridsolve.stages.load.contract import plane_window
 from gridsolve.stages.write import netcdf as nc_writer
 
 STAGE = "write/zarr"
-VERSION = "1"
+VERSION = "2"
 #: Zarr format 2: consolidated metadata (``.zmetadata``) and text arrays are part of its
 #: specification (in format 3 both are still extensions that zarr-python warns about).
 ZARR_FORMAT: Literal[2] = 2

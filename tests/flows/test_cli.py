@@ -14,6 +14,8 @@ import pytest
 import xarray as xr
 import yaml
 
+from gridsolve.schemas.contracts import STATUS_CODES
+
 from testkit import CONTRACT, make_ds
 
 GRIDSOLVE = str(Path(sys.executable).parent / "gridsolve")
@@ -189,6 +191,8 @@ def test_seed_demo_matches_lstsq(tmp_path: Path) -> None:
         A = out["design"].values
         B = cube["signal"].values.astype(np.float64).reshape(50, -1)
         C = out["coefficients"].values.reshape(100, -1).astype(np.float64)
+        # 50 rows cannot determine 100 coefficients: minimum norm, never labelled ok
+        assert (out["status"].values == STATUS_CODES["underdetermined"]).all()
     ref = np.linalg.lstsq(A, B, rcond=None)[0]  # minimum norm, every pixel a right-hand side
     rel = np.linalg.norm(C - ref, axis=0) / np.linalg.norm(ref, axis=0)
     assert rel.max() < 1e-4, rel.max()
