@@ -59,6 +59,11 @@ STAGE = "solve/lstsq"
 #: Above this condition number a float32 solve loses more than ~0.1% (measured
 #: in tests/stages/test_solve.py); refuse it and ask for float64.
 FLOAT32_MAX_COND = 1e4
+#: A shared or gap-pattern operator of a design whose (raw) condition number is at
+#: least this is refined once against the data (two more matrix products); below it
+#: the refinement changes nothing measurable (NIST's Norris, cond 9e2, gains nothing;
+#: Wampler1-5, cond 6e6, gain 2 digits in the standard errors) and is skipped.
+REFINE_COND = linalg.REFINE_COND
 #: Under float32, a pixel whose float32 products may err by more than this
 #: fraction of its residual RMS is computed in float64 (and stored as float32):
 #: the products' rounding is about eps32 · √obs · max |b|, which swamps the
@@ -300,8 +305,13 @@ def _fit_columns(
     data_max: float | None = None,
     sw: np.ndarray | None = None,
     centred: bool = True,
+    refine: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Coefficients ``P @ B`` and residual RMS of finite columns sharing one operator.
+
+    ``refine``: one step of refinement against the data, ``C += P (B − A C)``, and the
+    residual of the refined coefficients (for an ill-conditioned design, see
+    :data:`REFINE_COND`).
 
     With the rows' square-root weights ``sw``, also the root means of the
     weighted squared residuals and of the weighted squares of ``B`` about its
@@ -322,7 +332,7 @@ def _fit_columns(
     if dtype == np.float32 and top > FLOAT32_SAFE_MAX:
         wide = np.maximum(B.max(axis=0), -B.min(axis=0)) > FLOAT32_SAFE_MAX
     if not wide.any():
-        C, rms, wrms, trms = _fit(B, P, A, Q, dtype, device, sw, centred)
+        C, rms, wrms, trms = _fit(B, P, A, Q, dtype, device, sw, centred, refine)
     else:
         C = np.empty((P.shape[0], n_px), dtype=dtype)
         rms = np.full(n_px, np.nan, dtype=dtype)  # the wide columns' are found below
@@ -331,7 +341,9 @@ def _fit_columns(
 
     def fit_in(cols: np.ndarray, cdtype: np.dtype) -> None:
         if cols.any():
-            C[:, cols], rms[cols], w_, t_ = _fit(B[:, cols], P, A, Q, cdtype, device, sw, centred)
+            C[:, cols], rms[cols], w_, t_ = _fit(
+                B[:, cols], P, A, Q, cdtype, device, sw, centred, refine
+            )
             if wrms is not None and trms is not None and w_ is not None and t_ is not None:
                 wrms[cols], trms[cols] = w_, t_
 
@@ -378,10 +390,17 @@ def _fit(
     device: torch.device,
     sw: np.ndarray | None = None,
     centred: bool = True,
+    refine: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     Bt = torch.from_numpy(np.ascontiguousarray(B, dtype=dtype)).to(device)
     Pt = torch.from_numpy(np.ascontiguousarray(P, dtype=dtype)).to(device)
     Ct = linalg.colmm(Pt, Bt, out=linalg.host_empty((P.shape[0], B.shape[1]), Pt.dtype, device))
+    if refine:
+        # one correction against the data: P's rounding grows with the design's
+        # condition, the residual's does not (Wampler1: residual 1e-7 → 2e-10, QR's 7e-10)
+        At = torch.from_numpy(np.ascontiguousarray(A, dtype=dtype)).to(device)
+        Ct += linalg.colmm(Pt, Bt - linalg.colmm(At, Ct))
+        Q = None  # the residual of the refined coefficients, below
     if Q is not None:
         R = linalg.colmm(torch.from_numpy(np.ascontiguousarray(Q, dtype=dtype)).to(device), Bt)
     else:
@@ -849,6 +868,7 @@ def _solve_gapless(blk: _Block) -> StageOutput:
         data_max=op.data_max,
         sw=op.sqrtw if mom is not None else None,
         centred=op.spans_const,
+        refine=_refines(blk, op.cond),
     )
     blk.paths["shared"] = n_px
     if op.determined is not None:
@@ -946,6 +966,7 @@ def _solve_group(
         op.data_max,
         sw=op.sqrtw[rows] if mom is not None else None,
         centred=gop.spans,
+        refine=_refines(blk, gop.cond),
     )
     blk.status[idx] = gop.status
     if gop.determined is not None and gop.status != linalg.SINGULAR:
@@ -954,6 +975,12 @@ def _solve_group(
         mom.put(idx, g.C[:, idx], g.n_valid[idx], blk.status[idx], wrms, trms, *gop.spread)
     g.per_pixel[idx] = False
     return gop.path
+
+
+def _refines(blk: _Block, cond: float) -> bool:
+    """Whether a shared operator of condition ``cond`` is refined (:data:`REFINE_COND`)."""
+    # float32 operators are refused above FLOAT32_MAX_COND (1e4), far below
+    return blk.dtype == np.float64 and np.isfinite(cond) and cond >= REFINE_COND
 
 
 def _shared_restricted(blk: _Block, rows: np.ndarray) -> _GroupOperator:

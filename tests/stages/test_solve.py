@@ -81,7 +81,10 @@ def test_well_posed_harmonic_float64(chain: Chain, write_cube: Any) -> None:
         chain, write_cube(ds), HarmonicDesign(harmonics=2), LstsqSolve(dtype="float64")
     )
     ref = per_pixel_lstsq(A, ds["signal"].values)
-    assert rel_err(out["coefficients"], ref) < 1e-10
+    # cond(A) 1.6e6: both lie within cond·eps (3.6e-10) of the exact fit (mpmath, 40
+    # digits: lstsq errs 9.6e-11, the equilibrated solve 3.4e-11), so not within 1e-10
+    # of each other
+    assert rel_err(out["coefficients"], ref) < 1e-9
     resid = ds["signal"].values - np.einsum("oc,cyx->oyx", A, ref)
     np.testing.assert_allclose(out["residual_rms"], np.sqrt((resid**2).mean(0)), rtol=1e-8)
 
