@@ -52,7 +52,11 @@ def start(*args: str, **env: str) -> subprocess.Popen[str]:
 
 
 #: A single-sample model that takes its time: a run of it stays in progress for seconds.
+# A model that waits while the file named by $SLOW_GATE exists: the test holds the long
+# run inside its model stage for as long as it needs, however slow a loaded host makes
+# the other run (a fixed sleep raced with it: under a CPU hog the short run outlasted it).
 SLOW_MODEL = """
+import os
 import time
 from torch import nn
 
@@ -62,7 +66,11 @@ class SlowLinear(nn.Module):
         self.lin = nn.Linear(n_in, 1)
 
     def forward(self, x):
-        time.sleep(3.0)
+        gate, end = os.environ.get("SLOW_GATE"), time.monotonic() + 900
+        if gate:
+            open(gate + ".reached", "w").close()
+        while gate and os.path.exists(gate) and time.monotonic() < end:
+            time.sleep(0.05)
         return self.lin(x)
 """
 
@@ -156,14 +164,18 @@ def test_a_run_pruning_under_a_tiny_cap_spares_what_a_concurrent_run_uses(
     long_cfg.write_text(yaml.safe_dump(raw))
     (tmp_path / "slowmodel.py").write_text(SLOW_MODEL)
     short_cfg = config(tmp_path, "short", seed=2, max_size="1")
-    slow = start("run", str(long_cfg), PYTHONPATH=str(tmp_path))
+    gate = tmp_path / "hold-the-long-run"
+    gate.touch()
+    slow = start("run", str(long_cfg), PYTHONPATH=str(tmp_path), SLOW_GATE=str(gate))
     try:
         deadline = time.monotonic() + 300
-        while len(keys(cache) - old_keys) < 10:  # load, design, …, the first tiles
+        reached = tmp_path / "hold-the-long-run.reached"
+        while not reached.exists():  # the long run is in its model: load, design, … are made
             assert slow.poll() is None, slow.communicate()
             assert time.monotonic() < deadline
             time.sleep(0.05)
         early = keys(cache) - old_keys  # what the long run made (and so used) so far
+        assert len(early) >= 3, sorted(early)
         assert len(leases_now(cache)) == 1
         # Prefect's default console level, as a user has it: the prune's summary shows there
         fast = gridsolve("run", str(short_cfg), PREFECT_LOGGING_LEVEL="INFO")
@@ -177,8 +189,10 @@ def test_a_run_pruning_under_a_tiny_cap_spares_what_a_concurrent_run_uses(
         said = re.search(rf"cache {cache}: freed .* \((\d+) folder\(s\)\)", fast.stderr)
         assert said and int(said[1]) == len(old_keys), fast.stderr[-3000:]
         assert re.search(r"still over the cap: \d+ artifact\(s\) are in use", fast.stderr)
+        gate.unlink()
         stdout, stderr = slow.communicate(timeout=600)
     finally:
+        gate.unlink(missing_ok=True)
         if slow.poll() is None:
             slow.kill()
             slow.wait()
