@@ -65,6 +65,7 @@ from gridsolve.stages.engine.paths import (
     ensure_input_allowed,
     ensure_module_allowed,
     refuse_destructive_outputs,
+    run_reads,
 )
 from gridsolve.stages.engine.plan import (
     Plan,
@@ -822,7 +823,8 @@ def pipeline(
     # A lease on the cache for the whole run (its artifacts are in use), then the size cap.
     with run_housekeeping(cfg.cache.root, cfg.cache.max_size_bytes, logger):
         summary = run_pipeline(cfg)
-    apply_keep_last(cfg.write, summary.output, started_ns, logger)
+    reads = run_reads(render_paths(cfg, template_values()))
+    apply_keep_last(cfg.write, summary.output, started_ns, logger, reads)
     return summary
 
 

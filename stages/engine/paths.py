@@ -19,7 +19,7 @@ import posixpath
 import shutil
 import socket
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -364,6 +364,17 @@ def _relation(out: Place, read: Place, above: list[tuple[int, int]]) -> str | No
     if inside_out and here in _lineage(os.path.dirname(os.path.abspath(read.path))):
         return "contains"
     return None
+
+
+def read_by_run(path: str, reads: Sequence[Place]) -> Place | None:
+    """The first of ``reads`` that ``path`` resolves to, lies inside or contains; None if none.
+
+    The same comparison :func:`refuse_destructive_outputs` makes (links, ``..``,
+    letter case, hard links): what must survive a deletion of ``path``.
+    """
+    here = Place("", _absolute(path))
+    above = [] if is_url(here.path) else _lineage(os.path.dirname(here.path))
+    return next((r for r in reads if _relation(here, r, above)), None)
 
 
 def refuse_destructive_outputs(

@@ -6,7 +6,12 @@ matching the template so that at most N remain, newest by mtime. With them go
 the files written beside each: ``<output>.quicklook.png``, ``<output>.loss.png``
 and ``<output>.weights.safetensors``.
 
-What is never deleted: the output this run just wrote; an output modified
+What is never deleted: the output this run just wrote; an output the run
+reads (a ``load`` file, ``model.weights``, the cache root or anything inside
+it, compared as :func:`~gridsolve.stages.engine.paths.refuse_destructive_outputs`
+compares) or whose side file it reads (its weights as ``model.weights``): it
+is logged as kept and does not count toward N, so N older outputs the run does
+not read still remain beside it; an output modified
 after this run started (a concurrent run's, counted by the next run); anything
 that is not a gridsolve output (a NetCDF file or Zarr store without the
 global attribute ``gridsolve_config`` or ``source: gridsolve``); anything
@@ -23,12 +28,13 @@ import json
 import logging
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from gridsolve.schemas.base import is_url
 from gridsolve.schemas.errors import GridsolveError
-from gridsolve.stages.engine.paths import ensure_allowed
+from gridsolve.stages.engine.paths import Place, ensure_allowed, read_by_run
 
 #: What the writer and the flow put beside an output ``<output><suffix>``.
 SIBLINGS = (".quicklook.png", ".loss.png", ".weights.safetensors")
@@ -124,21 +130,42 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def keep_last(template: str, written: str, n: int, started_ns: int) -> list[Path]:
+def _read_by_run(path: Path, reads: Sequence[Place]) -> Place | None:
+    """What the run reads that deleting ``path`` (with its siblings) would destroy, or None."""
+    for candidate in (str(path), *(f"{path}{s}" for s in SIBLINGS)):
+        if (found := read_by_run(candidate, reads)) is not None:
+            return found
+    return None
+
+
+def outputs_read(template: str, reads: Sequence[Place]) -> list[tuple[Path, Place]]:
+    """The outputs matching ``template`` that the run reads (or whose siblings it reads)."""
+    if not reads or is_url(template) or not is_template(template):
+        return []
+    found = ((p, _read_by_run(p, reads)) for p in matching_outputs(template))
+    return [(p, r) for p, r in found if r is not None]
+
+
+def keep_last(
+    template: str, written: str, n: int, started_ns: int, reads: Sequence[Place] = ()
+) -> list[Path]:
     """Delete the oldest outputs matching ``template`` so at most ``n`` remain; what was deleted.
 
     ``written``: this run's output (always kept); ``started_ns``: when this run
-    started (outputs modified since then belong to concurrent runs: kept).
+    started (outputs modified since then belong to concurrent runs: kept);
+    ``reads``: what the run reads (:func:`~gridsolve.stages.engine.paths.run_reads`):
+    an output that is one of them, or whose sibling is, is kept and not counted.
     Deletes the outputs' siblings too. Nothing happens for a URL or a path
     without placeholders.
     """
     if is_url(template) or is_url(written) or not is_template(template):
         return []
+    protected = {p for p, _ in outputs_read(template, reads)}
     mine = Path(written).expanduser().resolve()
     others: list[tuple[int, Path]] = []
     for path in matching_outputs(template):
         try:
-            if path.resolve() == mine:
+            if path.resolve() == mine or path in protected:
                 continue
             mtime = path.stat().st_mtime_ns
         except OSError:
@@ -165,8 +192,12 @@ def apply_keep_last(
     written: str,
     started_ns: int,
     logger: logging.Logger | logging.LoggerAdapter[Any],
+    reads: Sequence[Place] = (),
 ) -> list[Path]:
-    """:func:`keep_last` for a write config with ``keep_last`` set; never raises (housekeeping)."""
+    """:func:`keep_last` for a write config with ``keep_last`` set; never raises (housekeeping).
+
+    ``reads``: what the run reads, never deleted (each kept output is logged).
+    """
     n = getattr(config, "keep_last", None)
     template = getattr(config, "path", None)
     if n is None or not isinstance(template, str) or not written:
@@ -177,7 +208,16 @@ def apply_keep_last(
     if not is_template(template):
         return []
     try:
-        removed = keep_last(template, written, int(n), started_ns)
+        for path, read in outputs_read(template, reads):
+            logger.info(
+                "write.keep_last %d: kept the old output %s because the run reads it (%s %s); "
+                "not counted toward keep_last",
+                n,
+                path,
+                read.label,
+                read.path,
+            )
+        removed = keep_last(template, written, int(n), started_ns, reads)
     except OSError as exc:
         logger.warning("write.keep_last: old outputs not removed: %s", exc)
         return []

@@ -223,3 +223,54 @@ def test_the_flow_itself_refuses(tmp_path: Path) -> None:
     assert tree_digest(cube) == before
     with xr.open_dataset(cube) as ds:
         assert "gridsolve_config" not in ds.attrs
+
+
+MODEL = {"impl": "multidim_linear", "input_dim": 2, "hidden_dim": 1, "output_dim": 1}
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_keep_last_never_deletes_an_old_output_the_run_reads(tmp_path: Path) -> None:
+    """An older output that is the run's load.path, or whose weights are model.weights, stays.
+
+    Both are kept without counting toward keep_last: the one older output the
+    run does not read is still removed (the log line: tests/stages/test_retention.py).
+    """
+    ko = tmp_path / "ko"
+    ko.mkdir()
+    cube = tmp_path / "cube.nc"
+    ds = make_ds(n_obs=8, ny=3, nx=4)
+    ds["tgt"] = ds["signal"].mean("time")
+    ds.to_netcdf(cube)
+    trained = config(
+        tmp_path,
+        "cube.nc",
+        {"path": "ko/x-2020-01-02.nc"},
+        train={"impl": "adam", "epochs": 1, "validation_fraction": 0, "early_stopping": None},
+        model={**MODEL, "objective": "mse"},
+    )
+    raw = yaml.safe_load(trained.read_text())
+    raw["load"]["target"] = "tgt"
+    trained.write_text(yaml.safe_dump(raw))
+    res = gridsolve("run", str(trained), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    weights = ko / "x-2020-01-02.nc.weights.safetensors"
+    assert weights.exists()
+    read_cube = ko / "x-2020-01-01.nc"  # an older output, now the run's input
+    ds.assign_attrs(source="gridsolve").to_netcdf(read_cube)
+    unread = ko / "x-2020-01-03.nc"
+    unread.write_bytes((ko / "x-2020-01-02.nc").read_bytes())
+    for i, p in enumerate([read_cube, ko / "x-2020-01-02.nc", unread]):
+        t = 1_600_000_000 + 60 * i
+        os.utime(p, (t, t))
+    before = {p: tree_digest(p) for p in (read_cube, weights)}
+    cfg = config(
+        tmp_path,
+        "ko/x-2020-01-01.nc",
+        {"path": "ko/x-{date}.nc", "keep_last": 1},
+        model={**MODEL, "weights": str(weights.relative_to(tmp_path))},
+    )
+    res = gridsolve("run", str(cfg), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert {p: tree_digest(p) for p in before} == before
+    assert (ko / "x-2020-01-02.nc").exists()
+    assert not unread.exists()  # keep_last 1 still applies to what the run does not read

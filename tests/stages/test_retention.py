@@ -166,3 +166,31 @@ def test_a_store_is_ours_by_its_provenance_whatever_its_format(
     )
     assert not is_gridsolve_output(theirs)
     assert is_gridsolve_output(ours)
+
+
+def test_an_output_the_run_reads_is_kept_said_and_not_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from gridsolve.stages.engine.paths import Place
+
+    old = time.time() - 3600
+    names = ["o-2024-01-01.nc", "o-2024-01-02.nc", "o-2024-01-03.nc", "o-2024-01-04.nc"]
+    made = []
+    for i, name in enumerate(names):
+        made.append(tmp_path / name)
+        make_ds(n_obs=4, ny=2, nx=3).assign_attrs(source="gridsolve").to_netcdf(made[-1])
+        os.utime(made[-1], (old + 60 * i, old + 60 * i))
+    weights = Path(f"{made[1]}.weights.safetensors")
+    weights.write_bytes(b"weights")
+    reads = [Place("load.path", str(made[0])), Place("model.weights", str(weights))]
+    logger = logging.getLogger("gridsolve.test")
+    cfg = NetCDFWrite(path=str(tmp_path / "o-{date}.nc"), keep_last=2)
+    with caplog.at_level(logging.INFO, logger="gridsolve.test"):
+        removed = apply_keep_last(cfg, str(made[3]), time.time_ns(), logger, reads)
+    assert removed == []  # made[2] is the one older output kept; the two read are not counted
+    assert all(p.exists() for p in made) and weights.exists()
+    assert f"kept the old output {made[0]} because the run reads it (load.path" in caplog.text
+    assert f"{made[1]} because the run reads it (model.weights {weights})" in caplog.text
+    assert apply_keep_last(
+        cfg.model_copy(update={"keep_last": 1}), str(made[3]), time.time_ns(), logger, reads
+    ) == [made[2]]
