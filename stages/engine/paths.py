@@ -377,6 +377,30 @@ def read_by_run(path: str, reads: Sequence[Place]) -> Place | None:
     return next((r for r in reads if _relation(here, r, above)), None)
 
 
+def _refuse_cache_in_reads(cfg: PipelineConfig, reads: Sequence[Place]) -> None:
+    """ConfigError when ``cache.root`` is an input, the config file, or lies inside an input store.
+
+    A cache root that holds an input (its parent folder) is allowed: the cache
+    writes only its own entries.
+    """
+    cache = next(r for r in reads if r.label == "cache.root")
+    here = Place("cache.root", cache.path)
+    above = [] if is_url(here.path) else _lineage(os.path.dirname(here.path))
+    for read in reads:
+        if read is cache:
+            continue
+        rel = _relation(here, read, above)
+        if rel in ("resolves to", "is the same file as", "lies inside", "is matched by"):
+            raise ConfigError(
+                f"cache.root {cache.path} {rel} {read.label} {read.path}: the cache would "
+                "write its artifacts into what the run reads",
+                stage="cache",
+                fix=f"set cache.root to a folder outside {read.label} ({read.path}), e.g. "
+                "a folder beside it: the cache must not be an input, the config file or lie "
+                "inside an input store",
+            )
+
+
 def refuse_destructive_outputs(
     cfg: PipelineConfig,
     config_file: str | Path | None = None,
@@ -388,14 +412,16 @@ def refuse_destructive_outputs(
     — through symbolic or hard links, ``..`` or letter case — to an input file
     or store, the config file or a weights file the run reads, nor lie inside
     the cache root or an input store, nor contain any of them (a Zarr store is
-    replaced as a whole folder). Object-store URLs are compared as normalised
+    replaced as a whole folder); nor may ``cache.root`` be an input or the
+    config file or lie inside an input store. Object-store URLs are compared as normalised
     text. Called by ``gridsolve run`` and ``validate`` and by the flow itself
     (a run triggered in the UI), so every way in is refused alike.
     """
+    reads = run_reads(cfg, config_file, values)
+    _refuse_cache_in_reads(cfg, reads)
     outputs = run_outputs(cfg, values)
     if not outputs:
         return
-    reads = run_reads(cfg, config_file, values)
     clashes = []
     for o in outputs:
         above = [] if is_url(o.path) else _lineage(os.path.dirname(o.path))

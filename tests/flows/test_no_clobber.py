@@ -274,3 +274,37 @@ def test_keep_last_never_deletes_an_old_output_the_run_reads(tmp_path: Path) -> 
     assert {p: tree_digest(p) for p in before} == before
     assert (ko / "x-2020-01-02.nc").exists()
     assert not unread.exists()  # keep_last 1 still applies to what the run does not read
+
+
+@pytest.mark.parametrize(
+    ("load", "root", "needle"),
+    [
+        ("input.zarr", "input.zarr/cache", "lies inside load.path"),
+        ("cube.nc", "cube.nc", "resolves to load.path"),
+        ("cube.nc", "gridsolve.yaml", "resolves to the config file"),
+    ],
+    ids=["inside-store", "input-file", "config-file"],
+)
+def test_a_cache_root_in_what_the_run_reads_is_refused(
+    tmp_path: Path, load: str, root: str, needle: str
+) -> None:
+    """The cache never writes into an input store, nor is an input or the config file."""
+    ds = make_ds(n_obs=8, ny=3, nx=4)
+    ds.to_zarr(tmp_path / "input.zarr", mode="w")
+    ds.to_netcdf(tmp_path / "cube.nc")
+    cfg = config(tmp_path, load, {"path": "out.nc"}, cache={"root": root})
+    before = tree_digest(tmp_path / load)
+    for command in ("validate", "run"):
+        res = gridsolve(command, str(cfg), cwd=tmp_path)
+        assert_clean_failure(res, f"cache.root {tmp_path / root} {needle}", "set cache.root to")
+        assert res.stderr.count("error:") == 1, res.stderr
+        assert tree_digest(tmp_path / load) == before, command
+    assert not (tmp_path / "out.nc").exists()
+
+
+def test_a_cache_root_holding_the_input_is_allowed(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    make_ds(n_obs=8, ny=3, nx=4).to_netcdf(tmp_path / "data" / "cube.nc")
+    cfg = config(tmp_path, "data/cube.nc", {"path": "out.nc"}, cache={"root": "data"})
+    res = gridsolve("validate", str(cfg))
+    assert res.returncode == 0 and "config is valid" in res.stdout, res.stderr
