@@ -234,7 +234,7 @@ class Place:
 
     label: str
     path: str
-    #: a pattern (an object-store glob that was not listed): matched, not compared
+    #: a glob pattern (local, or an object-store one that was not listed): matched, not compared
     pattern: bool = False
 
 
@@ -270,8 +270,10 @@ def run_reads(
 
     Every input file each stage names (``load.path``, ``model.weights``, …),
     local globs expanded to the files they match now and templates filled with
-    ``values``; the config file; the cache root. An object-store glob stays a
-    pattern (listing a bucket here would cost a request per check).
+    ``values``; the config file; the cache root. A local glob is also kept as
+    a pattern (an output it matches would be read by the next run); an
+    object-store glob stays a pattern only (listing a bucket here would cost a
+    request per check).
     """
     places: list[Place] = []
     for kind, conf in cfg.stage_configs().items():
@@ -284,6 +286,8 @@ def run_reads(
                     places.append(Place(label, item, pattern=magic))
                 elif magic and not os.path.exists(item):  # a folder may be named "exp[2]"
                     places += [Place(label, m) for m in sorted(glob.glob(item))]
+                    # and the pattern: an output it does not match yet, it would next run
+                    places.append(Place(label, _absolute(item), pattern=True))
                 else:
                     places.append(Place(label, item))
     if config_file is not None:
@@ -310,6 +314,21 @@ def _inside(inner: str, outer: str) -> bool:
     """Whether normalised ``inner`` is ``outer`` or lies under it."""
     sep = "/" if is_url(outer) else os.sep
     return inner == outer or inner.startswith(outer.rstrip(sep) + sep)
+
+
+def _matches(path: str, pattern: str) -> bool:
+    """Whether normalised ``path`` is one that glob ``pattern`` matches.
+
+    As a glob does, ``*`` stays within one folder; a local pattern's folders are
+    resolved (links, ``..``) as ``path`` was.
+    """
+    if is_url(pattern):
+        return fnmatch.fnmatchcase(path, _normal(pattern))
+    head, tail = os.path.split(pattern)
+    if not any(c in head for c in "*?["):
+        pattern = os.path.join(_normal(head), os.path.normcase(tail))
+    got, want = path.split(os.sep), pattern.split(os.sep)
+    return len(got) == len(want) and all(map(fnmatch.fnmatchcase, got, want))
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -343,7 +362,7 @@ def _relation(out: Place, read: Place, above: list[tuple[int, int]]) -> str | No
         return None
     a = _normal(out.path)
     if read.pattern:
-        return "is matched by" if fnmatch.fnmatchcase(a, _normal(read.path)) else None
+        return "is matched by" if _matches(a, read.path) else None
     b = _normal(read.path)
     if a == b:
         return "resolves to"

@@ -308,3 +308,23 @@ def test_a_cache_root_holding_the_input_is_allowed(tmp_path: Path) -> None:
     cfg = config(tmp_path, "data/cube.nc", {"path": "out.nc"}, cache={"root": "data"})
     res = gridsolve("validate", str(cfg))
     assert res.returncode == 0 and "config is valid" in res.stdout, res.stderr
+
+
+def test_an_output_an_input_glob_would_match_is_refused_on_the_first_run(tmp_path: Path) -> None:
+    """``cub*.nc`` matches ``cubeout.nc`` once it exists: refused before, naming the pattern."""
+    cube = tmp_path / "cube.nc"
+    make_ds(n_obs=8, ny=3, nx=4).to_netcdf(cube)
+    cfg = config(tmp_path, "cub*.nc", {"path": "cubeout.nc"})
+    refused_by_run_and_validate(
+        cfg,
+        cube,
+        f"write.path {tmp_path / 'cubeout.nc'} is matched by load.path {tmp_path}/cub*.nc",
+    )
+    assert not (tmp_path / "cubeout.nc").exists()
+    # a side file the pattern matches is refused too; one it cannot match is not
+    cfg = config(tmp_path, "cub*.png", {"path": "cubeout.nc"})
+    res = gridsolve("validate", str(cfg), cwd=tmp_path)
+    assert_clean_failure(res, "the quick-look picture", "is matched by load.path")
+    cfg = config(tmp_path, "cub?.nc", {"path": "cubeout.nc"})
+    res = gridsolve("validate", str(cfg), cwd=tmp_path)
+    assert res.returncode == 0 and "config is valid" in res.stdout, res.stderr
