@@ -152,15 +152,21 @@ class NoBoolNumbers(BaseModel):
 
     Pydantic reads a bool as 1 or 0 where a number is expected, so
     ``--set design.degree=true`` was a degree-1 fit: a bool there is always a
-    mistake, in a file, on the command line or in the Prefect form alike.
+    mistake, in a file, on the command line or in the Prefect form alike. Text
+    with ``_`` (``1_0``, text in YAML 1.2) is refused too: pydantic reads it as
+    Python does, 10, as YAML 1.1 would.
     """
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
         field = cls.model_fields.get(info.field_name or "")
-        if isinstance(value, bool) and field is not None and _numbers_only(field.annotation):
+        if field is None or not _numbers_only(field.annotation):
+            return value
+        if isinstance(value, bool):
             raise ValueError(f"{str(value).lower()} is a bool, where a number is expected")
+        if isinstance(value, str) and "_" in value:
+            raise ValueError(f"{value!r} is text (YAML 1.2), where a number is expected")
         return value
 
 

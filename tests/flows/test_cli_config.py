@@ -44,6 +44,8 @@ def write_config(folder: Path, **sections: object) -> Path:
         ("design.degree=0o20", ["design.degree", "'0o20'"]),
         ("execution.max_workers=false", ["execution.max_workers", "false is a bool"]),
         ("solve.ridge=true", ["solve.ridge", "true is a bool"]),
+        ("design.degree=1_0", ["design.degree", "'1_0' is text"]),
+        ("solve.ridge=1_0.5", ["solve.ridge", "'1_0.5' is text"]),
     ],
 )
 def test_a_bool_or_hex_for_a_number_is_refused(
@@ -54,6 +56,17 @@ def test_a_bool_or_hex_for_a_number_is_refused(
     assert "Traceback" not in res.stderr
     for needle in needles:
         assert needle in res.stderr, res.stderr
+
+
+def test_digits_with_underscores_in_a_file_are_text_not_numbers(tmp_path: Path) -> None:
+    """YAML 1.2 reads ``2_0`` as text: a number field refuses it, as it does ``0x10``."""
+    config = write_config(tmp_path)
+    text = config.read_text()
+    assert "degree: 1\n" in text
+    config.write_text(text.replace("degree: 1\n", "degree: 2_0\n"))
+    res = gridsolve("validate", str(config))
+    assert res.returncode == 2, res.stdout
+    assert "design.degree" in res.stderr and "'2_0' is text" in res.stderr, res.stderr
 
 
 def test_plain_numbers_and_bools_still_work(tmp_path: Path) -> None:
