@@ -379,7 +379,7 @@ def _run(config_path: Path, overrides: Sequence[str], debug: bool = False) -> in
     refuse_destructive_outputs(cfg, config_path, local_template_values())
     if os.environ.get("PREFECT_API_URL"):
         _check_login(os.environ["PREFECT_API_URL"])  # before any work, not as a traceback after
-    summary = run_config(cfg)
+    summary = run_config(cfg, config_path)
     print(summary.table())
     print(f"tiles: {summary.tiles}")
     for kind, counts in summary.counts.items():

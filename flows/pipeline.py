@@ -823,15 +823,25 @@ def pipeline(
     # A lease on the cache for the whole run (its artifacts are in use), then the size cap.
     with run_housekeeping(cfg.cache.root, cfg.cache.max_size_bytes, logger):
         summary = run_pipeline(cfg)
-    reads = run_reads(render_paths(cfg, template_values()))
+    reads = run_reads(render_paths(cfg, template_values()), _config_file)
     apply_keep_last(cfg.write, summary.output, started_ns, logger, reads)
     return summary
 
 
-def run_config(cfg: PipelineConfig) -> RunSummary:
-    """Run the flow on a validated config (what the CLI calls)."""
+#: The config file the CLI runs in this process, which write.keep_last must keep. Not a
+#: flow parameter: a deployment's run has none, and the flow's signature stays the config's.
+_config_file: Path | None = None
+
+
+def run_config(cfg: PipelineConfig, config_file: str | Path | None = None) -> RunSummary:
+    """Run the flow on a validated config (what the CLI calls), read from ``config_file``."""
+    global _config_file
     params = {k: getattr(cfg, k) for k in PipelineConfig.model_fields}
-    summary: RunSummary = pipeline(**params)
+    _config_file = Path(config_file) if config_file is not None else None
+    try:
+        summary: RunSummary = pipeline(**params)
+    finally:
+        _config_file = None
     return summary
 
 

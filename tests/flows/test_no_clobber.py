@@ -328,3 +328,26 @@ def test_an_output_an_input_glob_would_match_is_refused_on_the_first_run(tmp_pat
     cfg = config(tmp_path, "cub?.nc", {"path": "cubeout.nc"})
     res = gridsolve("validate", str(cfg), cwd=tmp_path)
     assert res.returncode == 0 and "config is valid" in res.stdout, res.stderr
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_keep_last_never_deletes_an_old_store_holding_the_config_file(tmp_path: Path) -> None:
+    ko = tmp_path / "ko"
+    ds = make_ds(n_obs=8, ny=3, nx=4)
+    ds.to_netcdf(tmp_path / "cube.nc")
+    holder, unread = ko / "x-2020-01-01.zarr", ko / "x-2020-01-02.zarr"
+    for store in (holder, unread):
+        ds.assign_attrs(source="gridsolve").to_zarr(store, mode="w")
+    cfg = config(
+        holder,
+        str(tmp_path / "cube.nc"),
+        {"impl": "zarr", "path": str(ko / "x-{date}.zarr"), "keep_last": 1},
+        cache={"root": str(tmp_path / "cache")},
+    )
+    for i, p in enumerate([holder, unread]):
+        os.utime(p, (1_600_000_000 + 60 * i,) * 2)
+    before = cfg.read_bytes()
+    res = gridsolve("run", str(cfg), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert cfg.read_bytes() == before
+    assert not unread.exists()
