@@ -11,8 +11,8 @@ reads or that holds what it reads (a ``load`` file, ``model.weights``, the
 config file, the cache root or anything inside it, compared as
 :func:`~gridsolve.stages.engine.paths.refuse_destructive_outputs` compares)
 or whose side file it reads (its weights as ``model.weights``): it is logged
-as kept and does not count toward N, so N older outputs the run does not read
-still remain beside it; an output modified
+as kept and does not count toward N, so the N newest outputs the run does
+not read (this run's among them) still remain beside it; an output modified
 after this run started (a concurrent run's, counted by the next run); anything
 that is not a gridsolve output (a NetCDF file or Zarr store without the
 global attribute ``gridsolve_config`` or ``source: gridsolve``); anything
