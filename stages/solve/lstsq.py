@@ -1188,17 +1188,23 @@ def _undetermined(
     """(coef, batch): the coefficients the batch's pixels' valid rows do not determine.
 
     Only pixels with fewer valid rows than coefficients, or that the fallback found
-    rank-deficient, are examined (an SVD of their rows); their ``status`` (of the batch,
-    updated) becomes underdetermined. None when no pixel of the batch is.
+    rank-deficient, or every pixel when the whole design is rank-deficient, are
+    examined (an SVD of their rows); their ``status`` (of the batch, updated) becomes
+    underdetermined. None when no pixel of the batch is.
     """
     coef = blk.op.A.shape[1]
     short = active & (g.n_valid[sel] < coef) & (status != linalg.SINGULAR)
     short |= active & (status == linalg.UNDERDETERMINED)
+    shared = blk.op.determined
+    if shared is not None:
+        # the whole design leaves coefficients undetermined, so does every subset of its
+        # rows; a pixel's own ridge factorisation succeeds all the same (found by the
+        # property test: ridge on a design with two equal columns gave ok pixels)
+        short |= active & (status != linalg.SINGULAR)
     if not short.any():
         return None
     cols = np.flatnonzero(short)
     out = np.zeros((coef, len(active)), dtype=bool)
-    shared = blk.op.determined
     if shared is not None and not shared.any():
         # no subset of rows determines what all the rows do not (coef > obs: none)
         out[:, cols] = True

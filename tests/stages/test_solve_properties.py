@@ -68,6 +68,39 @@ def _oracle(A: np.ndarray, b: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, fl
     return c, kappa + kappa**2 * r / (float(kept[0]) * max(float(np.linalg.norm(c)), 1e-300))
 
 
+def _determined(X: np.ndarray) -> bool | None:
+    """Whether rows ``X`` determine every coefficient: True, False, or None near the cutoff.
+
+    Decided on the column-equilibrated rows (the solve's rank decision is taken there too);
+    within three decades of the cutoff either verdict is right, so None.
+    """
+    n, coef = X.shape
+    if n < coef:
+        return False
+    norms = np.linalg.norm(X, axis=0)
+    if not (norms > 0).all():
+        return False
+    sv = np.linalg.svd(X / norms, compute_uv=False)
+    ratio = float(sv[-1] / sv[0])
+    cut = EPS * max(n, coef)
+    if ratio > 1e3 * cut:
+        return True
+    if ratio < 1e-3 * cut:
+        return False
+    return None
+
+
+def _status_fits(status: int, X: np.ndarray, *also: str) -> bool:
+    """Whether ``status`` is the determined-or-not verdict on rows ``X`` (or one of ``also``)."""
+    verdict = _determined(X)
+    allowed = {STATUS_CODES[a] for a in also}
+    if verdict is not False:
+        allowed.add(STATUS_CODES["ok"])
+    if verdict is not True:
+        allowed.add(STATUS_CODES["underdetermined"])
+    return status in allowed
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_per_pixel_minnorm_equals_lstsq_on_valid_rows(p: dict[str, Any]) -> None:
@@ -85,9 +118,15 @@ def test_per_pixel_minnorm_equals_lstsq_on_valid_rows(p: dict[str, Any]) -> None
         Policy("minnorm"),
     )
     x = x.numpy()
-    assert (status.numpy() == STATUS_CODES["ok"]).all()
     for j, px in enumerate(todo):
         ok = M[:, px]
+        # Here the status is the factorisation's: ok, or underdetermined where this layer
+        # saw the rank short; that EVERY short pixel is flagged is solve_block's contract
+        # (test_solve_block_every_pixel_is_lstsq_or_flagged), which marks dual-path pixels.
+        X = A[ok] * np.sqrt(W[ok, px])[:, None]
+        assert status[j] in (STATUS_CODES["ok"], STATUS_CODES["underdetermined"])
+        if _determined(X) is True:
+            assert status[j] == STATUS_CODES["ok"]
         ref, kappa = _oracle(A[ok], B[ok, px], W[ok, px])
         tol = max(1e-8, 100 * kappa * EPS)
         err = np.linalg.norm(x[:, j] - ref)
@@ -132,11 +171,10 @@ def test_cholesky_policy_solves_or_flags(p: dict[str, Any]) -> None:
     for j, px in enumerate(todo):
         ok = M[:, px]
         ref, kappa = _oracle(A[ok], B[ok, px], np.ones(ok.sum()))
-        full_rank = np.linalg.matrix_rank(A[ok]) == coef
-        if status[j] == STATUS_CODES["ok"]:
-            assert full_rank
-        else:
-            assert status[j] == STATUS_CODES["fell_back_to_minimum_norm"]
+        # a full-rank pixel whose Cholesky fails numerically falls back (flagged so)
+        assert _status_fits(int(status[j]), A[ok], "fell_back_to_minimum_norm")
+        if _determined(A[ok]) is False:
+            assert status[j] == STATUS_CODES["underdetermined"]
         tol = max(1e-8, 100 * kappa * EPS)
         assert np.linalg.norm(x[:, j] - ref) <= tol * max(np.linalg.norm(ref), 1e-300) + 1e-13
 
@@ -212,10 +250,9 @@ def test_solve_block_every_pixel_is_lstsq_or_flagged(c: dict[str, Any], dtype: s
         X, y = A[ok], B[ok, px].astype(np.float64)
         how = policy
         if policy == "cholesky" and np.linalg.matrix_rank(X) < coef:
-            assert status[px] == STATUS_CODES["fell_back_to_minimum_norm"]
             how = "minnorm"
-        else:
-            assert status[px] == STATUS_CODES["ok"]
+        fell_back = ("fell_back_to_minimum_norm",) if policy == "cholesky" else ()
+        assert _status_fits(int(status[px]), X, *fell_back), (int(status[px]), _determined(X))
         if how == "ridge":
             ref = np.linalg.solve(X.T @ X + 0.5 * np.eye(coef), X.T @ y)
             kappa = np.linalg.cond(X.T @ X + 0.5 * np.eye(coef))
