@@ -811,10 +811,22 @@ def infer_dims(
         found["obs"] = rest[0]
         taken.add(rest[0])
     missing = [r for r in ("y", "x") if found[r] is None]
+    shape = _shape_text(dims, sizes)
     if found["obs"] is not None and missing and len(rest) == len(missing):
+        rivals = [d for d in rest if d.lower() in OBS_NAMES]
+        if obs is None and rivals:
+            # a dim named like the observations would become a map axis by elimination:
+            # two dims claim to be obs (one by its coordinate, one by its name)
+            problems.append(
+                f"cannot tell which dim is the observation dim: the variable's dims are "
+                f"{shape}; {found['obs']!r} has a coordinate that says it is time, but "
+                f"{rivals[0]!r} is named like an observation dim too; set load.obs_dim, "
+                f"e.g. the line `obs_dim: {found['obs']}` (or `obs_dim: {rivals[0]}`) in the "
+                "config's load section"
+            )
+            return "", "", "", problems
         found.update(zip(missing, rest, strict=True))
         missing = []
-    shape = _shape_text(dims, sizes)
     free = [d for d in dims if d not in {v for v in found.values() if v}]
     if found["obs"] is None:
         example = free[-1] if free else dims[-1]

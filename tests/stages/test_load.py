@@ -33,6 +33,8 @@ from testkit import Chain, make_ds
         # CF attributes of coordinate variables (axis, standard_name, units)
         (("a", "b", "c"), {"c": "obs", "a": "y", "b": "x"}, {}, ("c", "a", "b")),
         (("a", "b", "c"), {"a": "obs"}, {}, ("a", "b", "c")),
+        # the same with an obs-like name left over, once obs is configured
+        (("time", "t2", "x"), {"t2": "obs"}, {"obs": "t2"}, ("t2", "time", "x")),
         # obs configured: the two dims left are y then x, in the variable's order
         (("nj", "ni", "nt"), {}, {"obs": "nt"}, ("nt", "nj", "ni")),
         (("ni", "nt", "nj"), {}, {"obs": "nt"}, ("nt", "ni", "nj")),
@@ -66,6 +68,8 @@ def test_infer_dims(
         # obs known, but three dims left for the map: never a guess
         (("nt", "member", "nj", "ni"), {}, {"obs": "nt"}, "`y_dim: nj` and `x_dim: ni`"),
         (("nt", "lev", "nj", "ni"), {"lev": "z"}, {}, "load.obs_dim"),
+        # t2 is time by its units, but 'time' (no coordinate) would become the map's y
+        (("time", "t2", "x"), {"t2": "obs"}, {}, "`obs_dim: t2` (or `obs_dim: time`)"),
     ],
 )
 def test_dims_that_cannot_be_told_are_refused_with_a_hint(
