@@ -413,6 +413,40 @@ def _history_arrays(history: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     return {"train_loss": col("train_loss"), "val_loss": col("val_loss")}
 
 
+def check_outputs_match_target(
+    config: GradientTrain,
+    module: torch.nn.Module,
+    params: Mapping[str, torch.Tensor],
+    input_shape: tuple[int, ...],
+    n_out: int,
+    impl: str,
+) -> None:
+    """ContractError, before any row is copied, if the model's output size is not the target's.
+
+    The MSE compares each pixel's output with its target value for value, so both
+    must hold the same number of values.
+    """
+    like = next(iter(params.values()))
+    buffers = {k: v.detach() for k, v in module.named_buffers()}
+    with torch.no_grad():
+        out = torch.func.functional_call(
+            module, (dict(params), buffers), (torch.zeros(input_shape, dtype=like.dtype),)
+        )
+    if out.numel() == n_out:
+        return
+    fix = (
+        f"set model.output_dim: {n_out}"
+        if impl == "multidim_linear"
+        else f"make the model return {n_out} value(s) per sample"
+    )
+    raise ContractError(
+        f"the model's output has {out.numel()} value(s) per pixel (shape {tuple(out.shape)}), "
+        f"the training target has {n_out}: the loss compares them value by value",
+        stage=_stage(config),
+        fix=f"{fix}, or name a target variable with {out.numel()} value(s) per pixel",
+    )
+
+
 def run(config: GradientTrain, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
     """Train the model's module on the usable pixels; the weights and the loss history."""
     model = ctx.peers["model"]
@@ -427,6 +461,9 @@ def run(config: GradientTrain, inputs: Mapping[str, Any], ctx: StageContext) -> 
     module, params = _initial(model)
     dtype = np.dtype(model.dtype)
     shape = tuple(vmapped.input_shape(model))
+    check_outputs_match_target(
+        config, module, params, shape, int(load.meta["aux"]["target"]["n_out"]), model.impl
+    )
     resumed = _resume(config, ctx)
     with ctx.store.scratch() as folder:
         data = dataset(config, load, solve, folder, dtype, work_share(ctx.memory_budget))

@@ -321,6 +321,20 @@ def test_a_target_without_a_finite_value_is_refused_with_the_counts(
     assert "load.target ('tgt')" in msg, msg
 
 
+def test_a_model_whose_output_is_not_the_targets_size_is_refused_before_training(
+    tmp_path: Path, ctx: Any
+) -> None:
+    cube = cube_with_target(tmp_path / "cube.nc")  # 2 target values per pixel
+    raw = sections(tmp_path, cube)
+    raw["model"]["output_dim"] = 4
+    with pytest.raises(ContractError) as err:
+        run(tmp_path, raw, ctx)
+    msg = str(err.value)
+    assert "the model's output has 4 value(s) per pixel" in msg, msg
+    assert "the training target has 2" in msg, msg
+    assert "model.output_dim: 2" in msg, msg
+
+
 @pytest.mark.parametrize(
     ("counts", "shape", "needles"),
     [
