@@ -420,6 +420,36 @@ def _refuse_cache_in_reads(cfg: PipelineConfig, reads: Sequence[Place]) -> None:
             )
 
 
+def _refuse_foreign_side_files(cfg: PipelineConfig, outputs: list[Place]) -> None:
+    """ConfigError if a file the run writes beside ``write.path`` is someone else's.
+
+    The pictures and weights beside an output are replaced only together with a
+    gridsolve output at ``write.path`` (they were written with it); a file at one
+    of those names beside no gridsolve output is the user's (found by an
+    adversarial review: a user's ``mine.nc.quicklook.png`` was overwritten).
+    Local paths only: an object store's side files are not opened to check.
+    """
+    main, sides = outputs[0], outputs[1:]
+    if is_url(main.path):
+        return
+    found = [o for o in sides if os.path.lexists(o.path)]
+    if not found:
+        return
+    # the writers' own test of provenance (lazy: the write kind imports this module)
+    from gridsolve.stages.write.retention import is_gridsolve_output
+
+    if is_gridsolve_output(Path(main.path)):
+        return
+    side = found[0]
+    raise ConfigError(
+        f"{side.label} {side.path} exists and was not written with a gridsolve output at "
+        f"write.path {main.path}: the run would replace it",
+        stage=f"write/{cfg.write.impl}",
+        violations=[f"{o.label} {o.path} exists" for o in found[1:]],
+        fix="move that file away, or set write.path to another name",
+    )
+
+
 def refuse_destructive_outputs(
     cfg: PipelineConfig,
     config_file: str | Path | None = None,
@@ -446,6 +476,8 @@ def refuse_destructive_outputs(
         above = [] if is_url(o.path) else _lineage(os.path.dirname(o.path))
         clashes += [(o, r, rel) for r in reads if (rel := _relation(o, r, above))]
     if not clashes:
+        # after the clashes: a side file that is an input is named as such
+        _refuse_foreign_side_files(cfg, outputs)
         return
     out, read, rel = clashes[0]
     what = "the run would replace it" if rel != "contains" else "the run would delete it"
