@@ -432,13 +432,24 @@ def _refuse_foreign_side_files(cfg: PipelineConfig, outputs: list[Place]) -> Non
     main, sides = outputs[0], outputs[1:]
     if is_url(main.path):
         return
-    found = [o for o in sides if os.path.lexists(o.path)]
-    if not found:
-        return
     # the writers' own test of provenance (lazy: the write kind imports this module)
     from gridsolve.stages.write.retention import is_gridsolve_output
 
-    if is_gridsolve_output(Path(main.path)):
+    target = Path(main.path)
+    ours = is_gridsolve_output(target)
+    occupied = (target.is_file() and target.stat().st_size > 0) or (
+        target.is_dir() and any(target.iterdir())
+    )
+    if occupied and not ours:
+        # the writers refuse it too, but only after the stages ran: say so before any work
+        raise ConfigError(
+            f"write.path {main.path} exists and is not a gridsolve output (its attributes "
+            "carry no gridsolve provenance): the run would replace it",
+            stage=f"write/{cfg.write.impl}",
+            fix="move that file or store away, or set write.path to another name",
+        )
+    found = [o for o in sides if os.path.lexists(o.path)]
+    if not found or ours:
         return
     side = found[0]
     raise ConfigError(

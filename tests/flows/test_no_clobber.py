@@ -367,3 +367,17 @@ def test_a_foreign_file_beside_the_output_is_refused(tmp_path: Path) -> None:
         assert res.stderr.count("error:") == 1, res.stderr
         assert tree_digest(mine) == before, command
     assert not (tmp_path / "mine.nc").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_foreign_file_at_the_output_is_refused_before_any_work(tmp_path: Path) -> None:
+    make_ds(n_obs=8, ny=3, nx=4).to_netcdf(tmp_path / "cube.nc")
+    theirs = tmp_path / "theirs.nc"
+    make_ds(n_obs=4, ny=2, nx=2, seed=9).to_netcdf(theirs)  # a NetCDF file gridsolve did not write
+    cfg = config(tmp_path, "cube.nc", {"path": "theirs.nc"})
+    before = tree_digest(theirs)
+    for command in ("validate", "run"):
+        res = gridsolve(command, str(cfg), cwd=tmp_path)
+        assert_clean_failure(res, f"write.path {theirs} exists and is not a gridsolve output")
+        assert res.stderr.count("error:") == 1, res.stderr
+        assert tree_digest(theirs) == before, command
+    assert not (tmp_path / "cache").exists()  # refused before any stage ran
