@@ -420,16 +420,13 @@ def _refuse_cache_in_reads(cfg: PipelineConfig, reads: Sequence[Place]) -> None:
             )
 
 
-def _refuse_foreign_side_files(cfg: PipelineConfig, outputs: list[Place]) -> None:
-    """ConfigError if a file the run writes beside ``write.path`` is someone else's.
+def _refuse_foreign_output(cfg: PipelineConfig, outputs: list[Place]) -> None:
+    """ConfigError if ``write.path`` holds a file or store gridsolve did not write.
 
-    The pictures and weights beside an output are replaced only together with a
-    gridsolve output at ``write.path`` (they were written with it); a file at one
-    of those names beside no gridsolve output is the user's (found by an
-    adversarial review: a user's ``mine.nc.quicklook.png`` was overwritten).
-    Local paths only: an object store's side files are not opened to check.
+    The writers refuse it too, but only after every stage ran. Local paths only:
+    an object store's output is checked by its writer.
     """
-    main, sides = outputs[0], outputs[1:]
+    main = outputs[0]
     if is_url(main.path):
         return
     # the writers' own test of provenance (lazy: the write kind imports this module)
@@ -448,17 +445,9 @@ def _refuse_foreign_side_files(cfg: PipelineConfig, outputs: list[Place]) -> Non
             stage=f"write/{cfg.write.impl}",
             fix="move that file or store away, or set write.path to another name",
         )
-    found = [o for o in sides if os.path.lexists(o.path)]
-    if not found or ours:
-        return
-    side = found[0]
-    raise ConfigError(
-        f"{side.label} {side.path} exists and was not written with a gridsolve output at "
-        f"write.path {main.path}: the run would replace it",
-        stage=f"write/{cfg.write.impl}",
-        violations=[f"{o.label} {o.path} exists" for o in found[1:]],
-        fix="move that file away, or set write.path to another name",
-    )
+    # A side file (picture, weights) at the name of one is still replaced: a user who
+    # deletes an output and reruns leaves gridsolve's own pictures beside it, and only
+    # the quick-look carries a mark to tell them from a user's file (open in issue 27).
 
 
 def refuse_destructive_outputs(
@@ -488,7 +477,7 @@ def refuse_destructive_outputs(
         clashes += [(o, r, rel) for r in reads if (rel := _relation(o, r, above))]
     if not clashes:
         # after the clashes: a side file that is an input is named as such
-        _refuse_foreign_side_files(cfg, outputs)
+        _refuse_foreign_output(cfg, outputs)
         return
     out, read, rel = clashes[0]
     what = "the run would replace it" if rel != "contains" else "the run would delete it"

@@ -353,22 +353,6 @@ def test_keep_last_never_deletes_an_old_store_holding_the_config_file(tmp_path: 
     assert not unread.exists()
 
 
-def test_a_foreign_file_beside_the_output_is_refused(tmp_path: Path) -> None:
-    make_ds(n_obs=8, ny=3, nx=4).to_netcdf(tmp_path / "cube.nc")
-    mine = tmp_path / "mine.nc.quicklook.png"
-    mine.write_bytes(b"\x89PNG not gridsolve's picture")
-    cfg = config(tmp_path, "cube.nc", {"path": "mine.nc"})
-    before = tree_digest(mine)
-    for command in ("validate", "run"):
-        res = gridsolve(command, str(cfg), cwd=tmp_path)
-        assert_clean_failure(
-            res, f"the quick-look picture (write.path + .quicklook.png) {mine} exists", "move that"
-        )
-        assert res.stderr.count("error:") == 1, res.stderr
-        assert tree_digest(mine) == before, command
-    assert not (tmp_path / "mine.nc").exists() and not (tmp_path / "cache").exists()
-
-
 def test_a_foreign_file_at_the_output_is_refused_before_any_work(tmp_path: Path) -> None:
     make_ds(n_obs=8, ny=3, nx=4).to_netcdf(tmp_path / "cube.nc")
     theirs = tmp_path / "theirs.nc"
