@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import xarray as xr
+import yaml
 
 #: The output variables of the default model (multidim_linear, wrt params).
 CONTRACT = {
@@ -122,3 +126,16 @@ def tiles_stored(cache: Path, kind: str) -> int:
             continue
         n += info.get("kind") == kind and info.get("part") == "tile"
     return n
+
+
+def run_yaml(cfg: Path, raw: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """Write ``raw`` to ``cfg`` and ``gridsolve run`` it in its folder, as a user would."""
+    cfg.write_text(yaml.safe_dump(raw))
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "gridsolve"), "run", str(cfg)],
+        cwd=cfg.parent,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ),
+    )

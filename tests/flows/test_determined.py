@@ -9,25 +9,20 @@ finite; the other pixels are ``ok`` and equal numpy's lstsq.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import xarray as xr
-import yaml
 
 from gridsolve.schemas.contracts import STATUS_CODES
 
-from testkit import make_ds
+from testkit import make_ds, run_yaml
 
 UNDERDETERMINED = STATUS_CODES["underdetermined"]
 OK = STATUS_CODES["ok"]
 
-GRIDSOLVE = str(Path(sys.executable).parent / "gridsolve")
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -49,16 +44,7 @@ def run(
         "write": {"path": "out.nc"},
         "cache": {"root": "cache"},
     }
-    cfg = tmp_path / "gridsolve.yaml"
-    cfg.write_text(yaml.safe_dump(raw))
-    res = subprocess.run(
-        [GRIDSOLVE, "run", str(cfg)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=dict(os.environ),
-    )
+    res = run_yaml(tmp_path / "gridsolve.yaml", raw)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "underdetermined" in res.stdout  # the run summary counts them
     with xr.open_dataset(tmp_path / "out.nc") as out:

@@ -13,20 +13,17 @@ standard errors, with every pixel ``ok``.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import nist_strd
 import numpy as np
 import pytest
 import xarray as xr
-import yaml
 
 from gridsolve.schemas.contracts import STATUS_CODES
 
-GRIDSOLVE = str(Path(sys.executable).parent / "gridsolve")
+from testkit import run_yaml
+
 K = 6  # extra rows of weight 0
 NY, NX = 6, 8  # 8 shared pixels, 32 pattern pixels, 8 per-pixel pixels
 
@@ -97,15 +94,7 @@ def test_nist_certified_values_on_every_path(ds: nist_strd.Dataset, tmp_path: Pa
         "write": {"path": "out.nc"},
         "cache": {"root": "cache"},
     }
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
-    res = subprocess.run(
-        [GRIDSOLVE, "run", str(tmp_path / "run.yaml")],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=dict(os.environ),
-    )
+    res = run_yaml(tmp_path / "run.yaml", raw)
     assert res.returncode == 0, res.stderr[-3000:]
     with xr.open_dataset(tmp_path / "out.nc") as out:
         status = out["status"].values
