@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from gridsolve.schemas.base import is_url
 from gridsolve.schemas.errors import ConfigError, InputError, OutputError
 from gridsolve.schemas.templating import render_template
+from gridsolve.stages.engine.provenance import is_gridsolve_output
 
 if TYPE_CHECKING:
     from gridsolve.schemas.pipeline import PipelineConfig
@@ -429,9 +430,6 @@ def _refuse_foreign_output(cfg: PipelineConfig, outputs: list[Place]) -> None:
     main = outputs[0]
     if is_url(main.path):
         return
-    # the writers' own test of provenance (lazy: the write kind imports this module)
-    from gridsolve.stages.write.retention import is_gridsolve_output
-
     target = Path(main.path)
     ours = is_gridsolve_output(target)
     occupied = (target.is_file() and target.stat().st_size > 0) or (

@@ -42,13 +42,13 @@ from gridsolve.stages.engine.paths import (
     ensure_allowed_url,
     sweep_dead_temporaries,
 )
+from gridsolve.stages.engine.provenance import is_gridsolve_output
 from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
 from gridsolve.stages.engine.versions import package_versions
 from gridsolve.stages.load.contract import plane_window
 from gridsolve.stages.load.files import ZARR_MARKERS
 from gridsolve.stages.write.direct import ChunkWriter
-from gridsolve.stages.write.retention import is_gridsolve_output
 
 VERSION = "2"
 STAGE = "write/netcdf"

@@ -25,7 +25,6 @@ Local paths only: a URL's outputs are left alone.
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import re
 import shutil
@@ -36,6 +35,7 @@ from typing import Any
 from gridsolve.schemas.base import is_url
 from gridsolve.schemas.errors import GridsolveError
 from gridsolve.stages.engine.paths import Place, ensure_allowed, read_by_run
+from gridsolve.stages.engine.provenance import is_gridsolve_output
 
 #: What the writer and the flow put beside an output ``<output><suffix>``.
 SIBLINGS = (".quicklook.png", ".loss.png", ".weights.safetensors")
@@ -80,48 +80,6 @@ def matching_outputs(template: str) -> list[Path]:
             continue
         out.append(Path(found))
     return out
-
-
-def _store_attrs(path: Path) -> dict[str, Any]:
-    """The root attributes of a Zarr store of any format version ({} if it has none)."""
-    for name, where in (
-        (".zmetadata", ("metadata", ".zattrs")),  # format 2, consolidated (gridsolve's own)
-        (".zattrs", ()),  # format 2
-        ("zarr.json", ("attributes",)),  # format 3
-    ):
-        try:
-            found: Any = json.loads((path / name).read_text())
-        except (OSError, ValueError):
-            continue
-        for key in where:
-            found = found.get(key, {}) if isinstance(found, dict) else {}
-        if isinstance(found, dict) and found:
-            return found
-    return {}
-
-
-def _ours(attrs: Any) -> bool:
-    return bool(attrs.get("source") == "gridsolve" or "gridsolve_config" in attrs)
-
-
-def is_gridsolve_output(path: Path) -> bool:
-    """Whether ``path`` is an output gridsolve wrote (never delete anyone else's file).
-
-    A NetCDF file or a Zarr store (format 2 or 3) whose global attributes hold
-    the provenance every gridsolve output carries (``gridsolve_config``, or
-    ``source: gridsolve``).
-    """
-    if path.is_dir():
-        return _ours(_store_attrs(path))
-    if not path.is_file():
-        return False
-    try:
-        import netCDF4
-
-        with netCDF4.Dataset(path) as nc:
-            return _ours({k: nc.getncattr(k) for k in nc.ncattrs()})
-    except Exception:  # not a NetCDF file, or unreadable: not ours to delete
-        return False
 
 
 def _remove(path: Path) -> None:

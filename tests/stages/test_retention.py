@@ -15,12 +15,8 @@ import xarray as xr
 
 from gridsolve.schemas.kinds.write import NetCDFWrite
 from gridsolve.schemas.pipeline import build_config
-from gridsolve.stages.write.retention import (
-    SIBLINGS,
-    apply_keep_last,
-    is_gridsolve_output,
-    keep_last,
-)
+from gridsolve.stages.engine.provenance import is_gridsolve_output
+from gridsolve.stages.write.retention import SIBLINGS, apply_keep_last, keep_last
 
 from testkit import make_ds, run_plan
 
