@@ -8,6 +8,7 @@ Prefect UI and is not run at all.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -823,25 +824,27 @@ def pipeline(
     # A lease on the cache for the whole run (its artifacts are in use), then the size cap.
     with run_housekeeping(cfg.cache.root, cfg.cache.max_size_bytes, logger):
         summary = run_pipeline(cfg)
-    reads = run_reads(render_paths(cfg, template_values()), _config_file)
+    reads = run_reads(render_paths(cfg, template_values()), _CONFIG_FILE.get())
     apply_keep_last(cfg.write, summary.output, started_ns, logger, reads)
     return summary
 
 
-#: The config file the CLI runs in this process, which write.keep_last must keep. Not a
-#: flow parameter: a deployment's run has none, and the flow's signature stays the config's.
-_config_file: Path | None = None
+#: The config file the CLI runs, which write.keep_last must keep. Not a flow parameter:
+#: a deployment's run has none, and the flow's signature stays the config's. A context
+#: variable: two runs in one process (threads) each see their own.
+_CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "gridsolve_config_file", default=None
+)
 
 
 def run_config(cfg: PipelineConfig, config_file: str | Path | None = None) -> RunSummary:
     """Run the flow on a validated config (what the CLI calls), read from ``config_file``."""
-    global _config_file
     params = {k: getattr(cfg, k) for k in PipelineConfig.model_fields}
-    _config_file = Path(config_file) if config_file is not None else None
+    token = _CONFIG_FILE.set(Path(config_file) if config_file is not None else None)
     try:
         summary: RunSummary = pipeline(**params)
     finally:
-        _config_file = None
+        _CONFIG_FILE.reset(token)
     return summary
 
 

@@ -25,7 +25,6 @@ import importlib.metadata
 import io
 import json
 import os
-import struct
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ if TYPE_CHECKING:
 
 from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.paths import atomic_file
+from gridsolve.stages.engine.provenance import MARK_KEY, MARK_VALUE, png_text
 from gridsolve.stages.write.netcdf import DESIGN_VARIABLE
 
 MAX_SIDE = 300
@@ -521,8 +521,10 @@ def quicklook_figure(
 
 
 def _png(fig: Figure, stamp: str | None = None) -> bytes:
+    """The figure as PNG bytes, marked as gridsolve's (and stamped with the output it shows)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={STAMP_KEY: stamp} if stamp else None)
+    meta = {MARK_KEY: MARK_VALUE} | ({STAMP_KEY: stamp} if stamp else {})
+    fig.savefig(buf, format="png", metadata=meta)
     return buf.getvalue()
 
 
@@ -571,9 +573,7 @@ def loss_curve_png(output: str | Path, options: Mapping[str, Any] | None = None)
     ax.set_yscale("log" if np.nanmin(train) > 0 else "linear")
     ax.set_title("training loss")
     ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    return _png(fig)
 
 
 def _beside(output: str | Path, suffix: str) -> Path | str:
@@ -619,22 +619,6 @@ def _drawing() -> str:
     """What draws the picture: this module's source and matplotlib's version."""
     source = xxhash.xxh3_64_hexdigest(Path(__file__).read_bytes())
     return f"{source}/matplotlib {importlib.metadata.version('matplotlib')}"
-
-
-def png_text(png: bytes) -> dict[str, str]:
-    """The tEXt entries of a PNG (those before its image data)."""
-    out: dict[str, str] = {}
-    pos = 8  # the signature
-    while pos + 8 <= len(png):
-        (length,) = struct.unpack(">I", png[pos : pos + 4])
-        kind = png[pos + 4 : pos + 8]
-        if kind == b"IDAT":
-            break
-        if kind == b"tEXt":
-            key, _, value = png[pos + 8 : pos + 8 + length].partition(b"\0")
-            out[key.decode("latin-1")] = value.decode("latin-1")
-        pos += 12 + length
-    return out
 
 
 def write_quicklook(

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from gridsolve.schemas.base import is_url
 from gridsolve.schemas.errors import ConfigError, InputError, OutputError
 from gridsolve.schemas.templating import render_template
-from gridsolve.stages.engine.provenance import is_gridsolve_output
+from gridsolve.stages.engine.provenance import is_gridsolve_output, is_gridsolve_side_file
 
 if TYPE_CHECKING:
     from gridsolve.schemas.pipeline import PipelineConfig
@@ -422,10 +422,10 @@ def _refuse_cache_in_reads(cfg: PipelineConfig, reads: Sequence[Place]) -> None:
 
 
 def _refuse_foreign_output(cfg: PipelineConfig, outputs: list[Place]) -> None:
-    """ConfigError if ``write.path`` holds a file or store gridsolve did not write.
+    """ConfigError if ``write.path``, or a file beside it the run writes, is not gridsolve's.
 
-    The writers refuse it too, but only after every stage ran. Local paths only:
-    an object store's output is checked by its writer.
+    The writers refuse a foreign output too, but only after every stage ran. Local
+    paths only: an object store's output is checked by its writer.
     """
     main = outputs[0]
     if is_url(main.path):
@@ -443,9 +443,25 @@ def _refuse_foreign_output(cfg: PipelineConfig, outputs: list[Place]) -> None:
             stage=f"write/{cfg.write.impl}",
             fix="move that file or store away, or set write.path to another name",
         )
-    # A side file (picture, weights) at the name of one is still replaced: a user who
-    # deletes an output and reruns leaves gridsolve's own pictures beside it, and only
-    # the quick-look carries a mark to tell them from a user's file (open in issue 27).
+    # A side file (picture, weights) is replaced only when gridsolve wrote it: beside its
+    # own output (written with it, also by versions before the mark), or carrying the
+    # mark every one now has (a PNG text key, safetensors metadata), so a rerun after
+    # the user deleted the output still replaces gridsolve's own pictures, and a user's
+    # file at one of those names (a review found mine.nc.quicklook.png replaced) is not.
+    foreign = [
+        o
+        for o in outputs[1:]
+        if not ours and os.path.lexists(o.path) and not is_gridsolve_side_file(Path(o.path))
+    ]
+    if foreign:
+        side = foreign[0]
+        raise ConfigError(
+            f"{side.label} {side.path} exists and gridsolve did not write it (it carries "
+            "no gridsolve mark): the run would replace it",
+            stage=f"write/{cfg.write.impl}",
+            violations=[f"{o.label} {o.path} exists" for o in foreign[1:]],
+            fix="move that file away, or set write.path to another name",
+        )
 
 
 def refuse_destructive_outputs(

@@ -1,12 +1,14 @@
 """Whether a file or store is an output gridsolve wrote, from its own attributes.
 
 Used by the writers and retention (never replace or delete anyone else's file) and
-by the path checks before a run (a foreign file at ``write.path`` is refused).
+by the path checks before a run (a foreign file at ``write.path``, or beside it at
+the name of a picture or the weights, is refused).
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +53,58 @@ def is_gridsolve_output(path: Path) -> bool:
             return _ours({k: nc.getncattr(k) for k in nc.ncattrs()})
     except Exception:  # not a NetCDF file, or unreadable: not ours to delete
         return False
+
+
+#: The PNG text key, and the safetensors metadata key, that mark a file beside an
+#: output (quick-look, loss picture, trained weights) as gridsolve's.
+MARK_KEY = "gridsolve"
+MARK_VALUE = "written by gridsolve beside its output"
+#: The quick-look's older mark (its stamp of the output it shows).
+_STAMP_KEY = "gridsolve-output"
+
+
+def png_text(png: bytes) -> dict[str, str]:
+    """The tEXt entries of a PNG (those before its image data)."""
+    out: dict[str, str] = {}
+    pos = 8  # the signature
+    while pos + 8 <= len(png):
+        (length,) = struct.unpack(">I", png[pos : pos + 4])
+        kind = png[pos + 4 : pos + 8]
+        if kind == b"IDAT":
+            break
+        if kind == b"tEXt":
+            key, _, value = png[pos + 8 : pos + 8 + length].partition(b"\0")
+            out[key.decode("latin-1")] = value.decode("latin-1")
+        pos += 12 + length
+    return out
+
+
+def _safetensors_metadata(path: Path) -> dict[str, Any]:
+    """The ``__metadata__`` of a safetensors file's header ({} if it is not one)."""
+    try:
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100_000_000:
+                return {}
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error):
+        return {}
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
+def is_gridsolve_side_file(path: Path) -> bool:
+    """Whether a picture (PNG) or weights file (safetensors) beside an output is gridsolve's.
+
+    Every one gridsolve writes carries :data:`MARK_KEY` (quick-looks also their
+    stamp); a file without it is someone else's, never to be replaced.
+    """
+    if path.suffix == ".safetensors":
+        return _safetensors_metadata(path).get(MARK_KEY) == MARK_VALUE
+    try:
+        with path.open("rb") as f:
+            head = f.read(1 << 16)  # the text chunks come before the image data
+    except OSError:
+        return False
+    text = png_text(head)
+    return text.get(MARK_KEY) == MARK_VALUE or _STAMP_KEY in text

@@ -513,11 +513,14 @@ def _same_type(value: Any, dtype: np.dtype) -> bool:
     return kind == dtype
 
 
-def valid_bounds(attrs: Mapping[str, Any], stored: np.dtype) -> ValidRange | None:
+def valid_bounds(
+    attrs: Mapping[str, Any], stored: np.dtype, name: str = "the variable"
+) -> ValidRange | None:
     """The CF valid bounds a raw variable's ``attrs`` declare (see above); None if none apply.
 
     ``attrs`` are the variable's attributes as stored (packing included),
-    ``stored`` its stored dtype.
+    ``stored`` its stored dtype. ContractError for a minimum above the maximum
+    (every value would be masked: a mistake, not data that are all invalid).
     """
     if "valid_range" in attrs and np.asarray(attrs["valid_range"]).size == 2:
         names = ["valid_range"]
@@ -558,6 +561,16 @@ def valid_bounds(attrs: Mapping[str, Any], stored: np.dtype) -> ValidRange | Non
         as_unsigned = np.dtype(f"u{stored.itemsize}")
         lo = None if lo is None else np.asarray(lo).astype(stored).view(as_unsigned)
         hi = None if hi is None else np.asarray(hi).astype(stored).view(as_unsigned)
+        said = [f"{k} {_jsonable(v)}" for k, v in (("min", lo), ("max", hi)) if v is not None]
+        text += ", read as unsigned (_Unsigned = true): " + ", ".join(said)
+    if lo is not None and hi is not None and bool(lo > hi):
+        raise ContractError(
+            f"variable {name!r}: {text} puts its minimum above its maximum, so every value "
+            "would be marked missing",
+            stage=STAGE,
+            fix="correct or delete the attribute in a copy of the file (e.g. ncatted -a "
+            f"{names[0]},{name},d,, copy.nc): gridsolve never edits its input",
+        )
     return ValidRange(lo, hi, unpacked, text, how, odd)
 
 
@@ -640,7 +653,7 @@ def _values(
     raw_ds = path.open_selected(raw=True)
     try:
         raw_da = raw_ds[da.name]
-        bounds = valid_bounds(raw_da.attrs, raw_da.dtype)
+        bounds = valid_bounds(raw_da.attrs, raw_da.dtype, str(da.name))
         raw = None if bounds is None or bounds.unpacked else _read(select(raw_da), what, path)
     finally:
         path.close(raw_ds)
@@ -681,7 +694,7 @@ def _masked_file(path: str, counts: dict[str, MaskCount] | None = None) -> xr.Da
     ds = open_netcdf(path, chunks={})
     raw = _open_raw_file(path, chunks={})
     for name in list(ds.data_vars):
-        bounds = valid_bounds(raw[name].attrs, raw[name].dtype)
+        bounds = valid_bounds(raw[name].attrs, raw[name].dtype, str(name))
         if bounds is None or not any(k in ds[name].attrs for k in _VALID_ATTRS):
             continue
         decoded = ds[name].astype(np.float64) if ds[name].dtype.kind != "f" else ds[name]
@@ -1068,8 +1081,20 @@ def scan_source(config: NetCDFLoad, base: Source, ident: Any) -> Scan:
     return _scan_cached(payload, canonical_json(base.describe()), canonical_json(ident))
 
 
-@functools.lru_cache(maxsize=8)
 def _scan_cached(config_json: str, base_json: str, ident_json: str) -> Scan:
+    got = _scan_or_refusal(config_json, base_json, ident_json)
+    if isinstance(got, GridsolveError):
+        raise got
+    return got
+
+
+@functools.lru_cache(maxsize=8)
+def _scan_or_refusal(config_json: str, base_json: str, ident_json: str) -> Scan | GridsolveError:
+    """The scan, or the error that refused the file.
+
+    A refusal is memoised too (per file state), so the run's second look neither
+    reads the file again nor repeats its warnings.
+    """
     # key_payload leaves the path out (the key covers the content instead).
     base = Source.from_description(json.loads(base_json))
     config = NetCDFLoad.model_validate({**json.loads(config_json), "path": base.path})
@@ -1078,6 +1103,8 @@ def _scan_cached(config_json: str, base_json: str, ident_json: str) -> Scan:
         var = _cube_name(config, ds)  # on the whole file: the selection may drop dims
         src = resolve_selection(ds, var, config, base)
         scan = _scan(config, src.apply(ds), src, var)
+    except GridsolveError as e:
+        return e
     finally:
         base.close(ds)
     return dataclasses.replace(scan, identity=json.loads(ident_json))

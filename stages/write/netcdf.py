@@ -42,7 +42,7 @@ from gridsolve.stages.engine.paths import (
     ensure_allowed_url,
     sweep_dead_temporaries,
 )
-from gridsolve.stages.engine.provenance import is_gridsolve_output
+from gridsolve.stages.engine.provenance import MARK_KEY, MARK_VALUE, is_gridsolve_output
 from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
 from gridsolve.stages.engine.versions import package_versions
@@ -975,7 +975,7 @@ def write_weights(train: Artifact, output: Path) -> None:
         if name.startswith("param:")
     }
     with atomic_file(weights_path(output)) as tmp:
-        save_file(tensors, str(tmp))
+        save_file(tensors, str(tmp), metadata={MARK_KEY: MARK_VALUE})
 
 
 def tile_plan(tiled: Mapping[str, TiledArtifact]) -> list[Any]:

@@ -365,3 +365,36 @@ def test_a_foreign_file_at_the_output_is_refused_before_any_work(tmp_path: Path)
         assert res.stderr.count("error:") == 1, res.stderr
         assert tree_digest(theirs) == before, command
     assert not (tmp_path / "cache").exists()  # refused before any stage ran
+
+
+def test_a_foreign_file_beside_the_output_is_refused(tmp_path: Path) -> None:
+    make_ds(n_obs=8, ny=3, nx=4).to_netcdf(tmp_path / "cube.nc")
+    mine = tmp_path / "mine.nc.quicklook.png"
+    mine.write_bytes(b"\x89PNG not gridsolve's picture")
+    cfg = config(tmp_path, "cube.nc", {"path": "mine.nc"})
+    before = tree_digest(mine)
+    for command in ("validate", "run"):
+        res = gridsolve(command, str(cfg), cwd=tmp_path)
+        assert_clean_failure(
+            res,
+            f"the quick-look picture (write.path + .quicklook.png) {mine} exists and gridsolve "
+            "did not write it",
+            "move that file away",
+        )
+        assert res.stderr.count("error:") == 1, res.stderr
+        assert tree_digest(mine) == before, command
+    assert not (tmp_path / "mine.nc").exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_gridsolve_s_own_picture_is_replaced_after_the_output_is_deleted(tmp_path: Path) -> None:
+    make_ds(n_obs=8, ny=3, nx=4).to_netcdf(tmp_path / "cube.nc")
+    cfg = config(tmp_path, "cube.nc", {"path": "out.nc"})
+    assert gridsolve("run", str(cfg), cwd=tmp_path).returncode == 0
+    picture = tmp_path / "out.nc.quicklook.png"
+    first = picture.read_bytes()
+    (tmp_path / "out.nc").unlink()  # the user deletes the output, keeps the picture, reruns
+    res = gridsolve("run", str(cfg), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "out.nc").exists()
+    assert picture.read_bytes() != first  # drawn again: stamped with the new file

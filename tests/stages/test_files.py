@@ -161,7 +161,7 @@ def check_against_lstsq(out: xr.Dataset, sig: xr.DataArray) -> None:
 def fresh_process_state() -> None:
     """Forget what this process memoised about inputs, as a new run in a new process would."""
     netcdf._file_set.cache_clear()
-    netcdf._scan_cached.cache_clear()
+    netcdf._scan_or_refusal.cache_clear()
     netcdf._REVALIDATED.clear()
 
 

@@ -471,3 +471,51 @@ def test_unsigned_bytes_compare_their_valid_max_as_unsigned(chain: Chain, write_
     block = read_block(meta, "cube", Tile(index=0, y0=0, y1=6, x0=0, x1=5))
     assert meta["nan_count"] == 1 and np.isnan(block[2, 1, 1])
     assert np.nansum(block) == 100 * (block.size - 1)
+
+
+def test_a_reversed_valid_range_is_refused_once(
+    ctx: Any, write_cube: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """valid_range = 25, 15 would mask every value: one error naming it, no warning."""
+    ds = make_ds()
+    ds["signal"].attrs["valid_range"] = np.array([25.0, 15.0])
+    cfg = NetCDFLoad(path=str(write_cube(ds, "reversed.nc")))
+    with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
+        for _ in range(2):  # as a run does: the fingerprint, then the stage
+            with pytest.raises(ContractError) as err:
+                fingerprint(cfg, ctx)
+                run(cfg, {}, ctx)
+            text = str(err.value)
+            assert (
+                "variable 'signal': valid_range = [25.0, 15.0] (float64) puts its minimum" in text
+            )
+            assert "every value would be marked missing" in text and "ncatted" in text
+    assert "marks" not in caplog.text
+
+
+def test_a_range_that_masks_everything_warns_once_before_the_refusal(
+    ctx: Any, write_cube: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    ds = make_ds()
+    ds["signal"].attrs["valid_range"] = np.array([1e6, 2e6])
+    cfg = NetCDFLoad(path=str(write_cube(ds, "masked.nc")))
+    with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
+        with pytest.raises(ContractError, match="entirely NaN"):
+            fingerprint(cfg, ctx)
+        with pytest.raises(ContractError, match="entirely NaN"):
+            run(cfg, {}, ctx)  # the refusal is remembered: the file is not read again
+    assert caplog.text.count("marks 100.0% of its values missing") == 1, caplog.text
+
+
+def test_the_unsigned_bounds_are_said_as_read(
+    chain: Chain, write_cube: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """_Unsigned int8 valid_max -56 (200 as unsigned): the warning says 200, not only -56."""
+    ds = make_ds()
+    stored = np.full(ds["signal"].shape, 250, np.uint8)
+    stored[0] = 100
+    attrs = {"_Unsigned": "true", "valid_max": np.int8(-56)}
+    ds = ds.assign(signal=(ds["signal"].dims, stored.view(np.int8), attrs))
+    with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
+        chain.whole("load", NetCDFLoad(path=str(write_cube(ds, "u8.nc"))))
+    assert "valid_max = -56 (int8), read as unsigned (_Unsigned = true): max 200" in caplog.text
