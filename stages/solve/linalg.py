@@ -910,12 +910,17 @@ class Spread:
     edf: torch.Tensor  # (P,) effective number of parameters tr(X P_w)
     cov: torch.Tensor | None  # (coef, coef, P) P_w P_wᵀ, when asked
     spans: torch.Tensor  # (P,) bool: the constant lies in the column space of the valid rows
+    #: (P,) Σw·r² from compensated residuals (NaN: not computed, the plain residuals
+    #: give it); see :func:`_qr_spread`. None: none computed.
+    rss: torch.Tensor | None = None
 
     def put(self, sel: torch.Tensor, other: Spread) -> None:
         """Overwrite pixels ``sel`` with ``other``'s."""
         self.var[:, sel], self.edf[sel], self.spans[sel] = other.var, other.edf, other.spans
         if self.cov is not None and other.cov is not None:
             self.cov[:, :, sel] = other.cov
+        if self.rss is not None:
+            self.rss[sel] = torch.nan if other.rss is None else other.rss
 
 
 def _pixels_first(L: torch.Tensor) -> torch.Tensor:
@@ -1041,40 +1046,86 @@ def _dual_spread(
 
 #: Elements (pixels × obs × coef) of one batch of :func:`_qr_spread`'s weighted rows.
 QR_SPREAD_ELEMENTS = 1 << 22
+#: Veltkamp's splitting constant for float64 (2²⁷ + 1): a = hi + lo, each half 26 bits.
+_SPLIT = 134217729.0
+
+
+def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a + b`` and its rounding error, exactly (Knuth's TwoSum)."""
+    s = a + b
+    z = s - a
+    return s, (a - (s - z)) + (b - z)
+
+
+def _two_product(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a·b`` and its rounding error, exactly (Dekker's TwoProduct, no FMA needed)."""
+    p = a * b
+    ca, cb = _SPLIT * a, _SPLIT * b
+    ah, bh = ca - (ca - a), cb - (cb - b)
+    al, bl = a - ah, b - bh
+    return p, al * bl - (((p - ah * bh) - al * bh) - ah * bl)
+
+
+def compensated_residuals(A: torch.Tensor, B0: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``B0 − A·x`` (obs, P) as if computed in twice float64's precision (Ogita-Rump-Oishi Dot2).
+
+    For designs whose columns cancel (raw condition ≥ :data:`REFINE_COND`): plain
+    float64 residuals lose the digits the cancellation takes (Filip: the residual
+    variance to 7 digits; this way to 11, as 80-bit arithmetic gives).
+    """
+    s = B0.to(torch.float64).clone()
+    err = torch.zeros_like(s)
+    for j in range(A.shape[1]):
+        p, e1 = _two_product(-A[:, j : j + 1].to(torch.float64), x[j : j + 1].to(torch.float64))
+        s, e2 = _two_sum(s, p)
+        err += e1 + e2
+    return s + err
 
 
 def _qr_spread(
     A: torch.Tensor,
     columns: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     sel: torch.Tensor,
+    x: torch.Tensor,
     spread: Spread,
 ) -> None:
     """Overwrite the variances (and covariance) of pixels ``sel`` by a QR of their own rows.
 
     For a design whose raw condition number is at least :data:`REFINE_COND`: its
     spread from the normal equations, ``R⁻¹G⁻¹R⁻ᵀ``, loses what ``G = QᵀWQ``'s own
-    condition adds (Filip's per-pixel standard errors: 7.4 digits where QR of the
-    pixel's rows gets 8.5); a Householder QR of each pixel's ``√w``-weighted,
-    column-equilibrated rows does not. Only for full-rank, unridged fits (their
-    spread is ``(XᵀX)⁻¹``). ``columns(sel)``: ``B0`` and ``Wp`` of the pixels ``sel``.
+    condition adds, and its residuals ``b − Ac`` what the columns' cancellation
+    takes (Filip's per-pixel standard errors: 7.2–7.4 digits where QR gets 7.9–8.5,
+    by CPU). A Householder QR of each pixel's ``√w``-weighted rows (numpy's LAPACK,
+    as a numpy or statsmodels user computes it) gives ``(XᵀX)⁻¹ = R⁻¹R⁻ᵀ``;
+    compensated residuals give ``Σw·r²`` (:attr:`Spread.rss`). At Filip's
+    conditioning (1.8e15) that is float64's limit: QR's own standard errors range
+    over 7.1–8.5 digits when the same rows are scaled by a weight (measured). Only
+    for full-rank, unridged fits (their spread is ``(XᵀX)⁻¹``). ``columns(sel)``:
+    ``B0`` and ``Wp`` of the pixels ``sel``; ``x`` every pixel's coefficients. On
+    the CPU (a GPU's pixels are copied): the designs that take it are rare.
     """
     obs, coef = A.shape
-    d = torch.linalg.vector_norm(A, dim=0)
-    d = torch.where(d > 0, d, torch.ones_like(d))
-    Ae = (A / d).to(torch.float64)
-    eye = torch.eye(coef, dtype=torch.float64, device=A.device)
+    An = A.detach().to("cpu", torch.float64).numpy()
+    if spread.rss is None:
+        spread.rss = torch.full_like(spread.edf, torch.nan)
     chunk = max(1, QR_SPREAD_ELEMENTS // (obs * coef))
     for start in range(0, sel.numel(), chunk):
         part = sel[start : start + chunk]
-        Wc = columns(part)[1].to(torch.float64)
-        X = Ae[None] * torch.sqrt(Wc).T[:, :, None]  # (P, obs, coef)
-        R = torch.linalg.qr(X, mode="r").R
-        Ri = torch.linalg.solve_triangular(R, eye.expand(part.numel(), coef, coef), upper=True)
-        Ri = Ri / d.to(torch.float64)[None, :, None]  # (XᵀX)⁻¹ = Ri Riᵀ, in the user's columns
-        spread.var[:, part] = (Ri * Ri).sum(-1).T.to(spread.var.dtype)
+        B0c, Wc = columns(part)
+        Wc = Wc.to(torch.float64)
+        r = compensated_residuals(A, B0c, x[:, part])
+        spread.rss[part] = (Wc * r * r).sum(0).to(spread.rss.dtype)
+        # numpy's LAPACK (what numpy and statsmodels users compare with), per pixel
+        X = np.sqrt(Wc.cpu().numpy()).T[:, :, None] * An[None]  # (P, obs, coef)
+        try:
+            Ri = np.linalg.inv(np.linalg.qr(X, mode="r"))  # (XᵀX)⁻¹ = Ri Riᵀ
+        except np.linalg.LinAlgError:  # an exactly singular R: keep the normal equations'
+            continue
+        var = torch.from_numpy((Ri * Ri).sum(-1).T.copy())
+        spread.var[:, part] = var.to(spread.var.device, spread.var.dtype)
         if spread.cov is not None:
-            cov = torch.bmm(Ri, Ri.transpose(1, 2))
-            spread.cov[:, :, part] = _to_pixels_last(cov).to(spread.cov.dtype)
+            cov = torch.from_numpy(Ri @ Ri.transpose(0, 2, 1))
+            spread.cov[:, :, part] = _to_pixels_last(cov).to(spread.cov.device, spread.cov.dtype)
 
 
 def _svd_spans(A: torch.Tensor, Wp: torch.Tensor, pol: Policy) -> torch.Tensor:
@@ -1141,7 +1192,7 @@ def _solve_per_pixel(
         A, pol, svd_chunk, active, good, x, spread, full, lambda c: (B0[:, c], Wp[:, c])
     )
     if spread is not None and H is None and not use_dual and not lam:
-        _refine_spread(A, good, active, spread, lambda c: (B0[:, c], Wp[:, c]))
+        _refine_spread(A, good, active, x, spread, lambda c: (B0[:, c], Wp[:, c]))
     return x, status, spread
 
 
@@ -1149,6 +1200,7 @@ def _refine_spread(
     A: torch.Tensor,
     good: torch.Tensor,
     active: torch.Tensor | None,
+    x: torch.Tensor,
     spread: Spread,
     columns: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
 ) -> None:
@@ -1157,7 +1209,7 @@ def _refine_spread(
         return
     sel = torch.nonzero(good if active is None else good & active).flatten()
     if sel.numel():
-        _qr_spread(A, columns, sel, spread)
+        _qr_spread(A, columns, sel, x, spread)
 
 
 def _svd_every_pixel(
@@ -1297,7 +1349,7 @@ def fit_unit(
 
     status = _settle(A, pol, svd_chunk, active, good, x, sp, False if spread else None, columns)
     if sp is not None:
-        _refine_spread(A, good, active, sp, columns)
+        _refine_spread(A, good, active, x, sp, columns)
     # the sums as residual_moments takes them; its redo (and the fallen-back pixels,
     # whose coefficients changed) from the columns read again
     fi = torch.finfo(ss.dtype)

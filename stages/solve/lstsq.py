@@ -35,6 +35,7 @@ pixels of ten coefficients, a fifth of the uncertainty's cost).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Mapping
@@ -1141,6 +1142,8 @@ def _solve_batch(
             done = _Solved(x, px_status, sp, r_t, r_t, tr_t)
     if done is None:
         done = _solve_batch_apart(blk, systems, sel, act, n_v, valid_rows)
+    if done.spread is not None and done.spread.rss is not None and done.wrms is not None:
+        done = _with_qr_rss(done, done.spread.rss, n_v, systems.unit)
     xs, sts, r, sp = (
         done.x.cpu().numpy(),
         done.status.cpu().numpy(),
@@ -1180,6 +1183,20 @@ def _solve_batch(
                 edf[pick],
                 None if cov is None else cov[:, :, pick],
             )
+
+
+def _with_qr_rss(done: _Solved, rss: torch.Tensor, n_v: torch.Tensor, unit: bool) -> _Solved:
+    """``done`` with the weighted residual RMS from the spread's residual sum (where it has one).
+
+    The residuals ``b − Ac`` of a design with raw condition ≥ REFINE_COND lose digits
+    to the columns' cancellation; the spread's compensated ones do not (see
+    ``linalg._qr_spread``). With unit weights the plain RMS is the weighted one.
+    """
+    assert done.wrms is not None
+    have = torch.isfinite(rss)
+    wrms = torch.where(have, torch.sqrt(rss / n_v), done.wrms)
+    rms = torch.where(have, wrms, done.rms) if unit else done.rms
+    return dataclasses.replace(done, wrms=wrms, rms=rms)
 
 
 def _undetermined(

@@ -225,3 +225,59 @@ def test_zero_one_weights_shortcut_changes_nothing() -> None:
         on = W[:, px].bool().numpy()
         want = np.linalg.lstsq(A.numpy()[on], B0[:, px].numpy()[on], rcond=None)[0]
         np.testing.assert_allclose(x1[:, px].numpy(), want, rtol=1e-10)
+
+
+def test_compensated_residuals_are_the_exact_ones_rounded() -> None:
+    """b − A·x with cancelling terms: exact (fractions) to an ulp, where float64 loses digits."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(7)
+    t = rng.uniform(-9, -3, 40)
+    A = t[:, None] ** np.arange(11)[None, :]  # Filip's columns: x⁰ … x¹⁰
+    x = rng.standard_normal((11, 3)) * 10.0 ** -np.arange(11)[:, None]
+    B = A @ x + 1e-6 * rng.standard_normal((40, 3))  # residuals ~1e-6 of terms ~1e3
+    got = linalg.compensated_residuals(
+        torch.from_numpy(A), torch.from_numpy(B), torch.from_numpy(x)
+    )
+    exact = np.array(
+        [
+            [
+                float(
+                    Fraction(B[i, p])
+                    - sum(Fraction(A[i, j]) * Fraction(x[j, p]) for j in range(11))
+                )
+                for p in range(3)
+            ]
+            for i in range(40)
+        ]
+    )
+    np.testing.assert_allclose(got.numpy(), exact, rtol=4e-16, atol=0)
+    plain = B - A @ x
+    assert np.abs(plain - exact).max() > 1e3 * np.abs(got.numpy() - exact).max()
+
+
+def test_per_pixel_spread_of_an_ill_conditioned_design_is_householder_qr_s() -> None:
+    """NIST's Filip (cond 1.8e15) per pixel with weights: the variances QR of each pixel's
+    weighted rows gives, and standard errors to the certified values' 7 digits."""
+    import nist_strd
+
+    ds = next(d for d in nist_strd.DATASETS if d.name == "Filip")
+    A, y = ds.design(), ds.response()
+    n, coef = A.shape
+    w = np.array([1.0, 0.5, 2.0, 1.0])
+    Wp = np.repeat(w[None, :], n, axis=0)
+    Wp[3, 3] = 0.0  # a gap of its own
+    B0 = np.repeat(y[:, None], 4, axis=1) * (Wp > 0)
+    _, status, sp = linalg.solve_per_pixel_spread(
+        torch.from_numpy(A),
+        torch.from_numpy(B0),
+        torch.from_numpy(Wp),
+        linalg.Policy("minnorm"),
+        spans_known=True,
+    )
+    assert (status.numpy() == linalg.OK).all() and sp.rss is not None
+    for p in range(4):
+        Ri = np.linalg.inv(np.linalg.qr(np.sqrt(Wp[:, p])[:, None] * A, mode="r"))
+        np.testing.assert_allclose(sp.var[:, p].numpy(), (Ri * Ri).sum(1), rtol=1e-12)
+    se = np.sqrt(sp.rss.numpy()[:3] / (n - coef) * sp.var.numpy()[:, :3])
+    assert nist_strd.lre(se, np.array(ds.sd)[:, None]).min() >= 7.0
