@@ -291,7 +291,6 @@ def _trend_config() -> dict[str, Any]:
         "load": {"impl": "netcdf", "path": "demo.nc", "variable": "signal"},
         "design": {"impl": "harmonic", "harmonics": 1},
         "solve": {"impl": "lstsq", "uncertainty": "stderr"},
-        "model": {"impl": "multidim_linear", "input_dim": 2, "hidden_dim": 2, "output_dim": 1},
         "write": {"impl": "netcdf", "path": "trend.nc"},
         "cache": {"root": ".cache"},
     }

@@ -23,7 +23,7 @@ from gridsolve.schemas.errors import ConfigError
 from gridsolve.schemas.execution import CacheConfig, ExecutionConfig
 from gridsolve.schemas.kinds.design import RandomDesign
 from gridsolve.schemas.kinds.load import DemoLoad
-from gridsolve.schemas.kinds.model import MultidimLinearModel
+from gridsolve.schemas.kinds.model import MultidimLinearModel, NoModel
 from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.schemas.kinds.train import NoTrain
@@ -151,7 +151,8 @@ class PipelineConfig(BaseModel):
     normal_equations: NormalEquationsField = SVDNormalEquations()
     solve: SolveField = LstsqSolve()
     train: TrainField = NoTrain()
-    model: ModelField = MultidimLinearModel()
+    #: no section: no model (a section without ``impl`` is the multidim linear model)
+    model: ModelField = NoModel()
     write: WriteField = NetCDFWrite()
     cache: CacheConfig = CacheConfig()
     execution: ExecutionConfig = ExecutionConfig()
@@ -207,6 +208,7 @@ def config_error_from_validation(err: ValidationError, source: str = "config") -
             msg = "required field is missing"
         elif (
             "input" in e
+            and e["loc"]  # a cross-stage rule's input is the whole config: not echoed
             and e["type"] not in ("unknown_impl", "missing_impl")
             and "storage_options" not in loc  # may hold a secret: never echoed
         ):

@@ -1,4 +1,8 @@
-"""Configs of the built-in ``model`` implementations; the family holds the fields all share."""
+"""Configs of the built-in ``model`` implementations; the family holds the fields all share.
+
+``none`` runs no model (the default when a config has no ``model`` section):
+most per-pixel fits want coefficients, trends and their uncertainty only.
+"""
 
 from __future__ import annotations
 
@@ -73,6 +77,20 @@ class ModelConfig(StageConfig):
         )
 
 
+class NoModel(StageConfig):
+    """No model: the run stops at the coefficients (and their uncertainty) and writes them."""
+
+    model_config = ConfigDict(title="No model")
+
+    kind: ClassVar[str] = "model"
+    impl: Literal["none"] = "none"
+
+    @property
+    def active(self) -> bool:
+        """Never: a ``none`` model is left out of the plan, and nothing of a model is written."""
+        return False
+
+
 class MultidimLinearModel(ModelConfig):
     """The multidim linear model: tensordot(x, weight, 2) + bias, x of (input_dim, hidden_dim)."""
 
@@ -108,6 +126,7 @@ class ModuleModel(ModelConfig):
 
 
 for _builtin in (
+    NoModel,
     MultidimLinearModel,
     ModuleModel,
 ):

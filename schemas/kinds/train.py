@@ -120,9 +120,17 @@ class GradientTrain(TrainConfig):
 
     def cross_stage(self, stages: Mapping[str, StageConfig]) -> list[str]:
         """Training fits the model to the target variable named in the load section."""
-        return needs_load_field(
+        out = needs_load_field(
             stages, "target", f"train impl {self.impl!r} needs a target: set load.target"
         )
+        model = stages.get("model")
+        if model is not None and not model.active:
+            out.append(
+                f"train impl {self.impl!r} fits a model's weights, and the run has none: add a "
+                "model section (e.g. model: {impl: multidim_linear, input_dim: 2, hidden_dim: "
+                "2, output_dim: 1, objective: mse}), or train: {impl: none}"
+            )
+        return out
 
 
 class SGDTrain(GradientTrain):

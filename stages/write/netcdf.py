@@ -521,15 +521,12 @@ def output_variables(
     The described variables are a table of CF attributes per output (why this is
     long); arrays of tiled kinds it does not know come from their contracts.
     """
-    solve, model = tiled["solve"], tiled["model"]
+    solve, model = tiled["solve"], tiled.get("model")
     y, x = load.meta["y_dim"], load.meta["x_dim"]
     # the shared design's undetermined coefficients (see _undetermined_nan)
     shared = [int(j) for j in solve.meta.get("undetermined_columns") or ()]
     units = load.meta["attrs"].get("units")
-    m = model.meta
-    obj = "sum of outputs" if m["objective"] == "sum" else "mean squared error against the target"
     flags = sorted(STATUS_FLAGS)
-    model_flags = sorted(MODEL_STATUS_FLAGS)
     out: list[dict[str, Any]] = [
         {
             "name": "coefficients",
@@ -563,6 +560,35 @@ def output_variables(
             },
         },
         *_uncertainty_variables(solve, y, x),
+    ]
+    if model is not None:  # model: none writes nothing of a model
+        out += _model_variables(model, y, x)
+    out += _trend_variables(design, units, y, x, shared)
+    out += _harmonic_variables(design, units, y, x, shared)
+    # Optional outputs (gradients w.r.t. what wrt excludes, the Jacobian) where made.
+    kept = [
+        v for v in out if tiled[v["src"][0]].tiles and v["src"][1] in tiled[v["src"][0]].tiles[0][1]
+    ]
+    kept += _contract_variables(tiled, out, y, x)
+    coef_units = coefficient_units(load, design)
+    for v in kept:
+        _cf_attrs(v, coef_units, units)
+        if "coef" in v["dims"]:
+            v["attrs"]["coordinates"] = " ".join(_coef_labels(coef_units))
+        if layout == "flat" and len(v["dims"]) > 3:
+            # One extra dim per variable: what CDO and Panoply read.
+            v["flat_from"] = v["dims"][:-2]
+            v["dims"] = (f"{v['name']}_index", y, x)
+            v["attrs"]["coordinates"] = f"{v['name']}_label"
+    return kept
+
+
+def _model_variables(model: TiledArtifact, y: str, x: str) -> list[dict[str, Any]]:
+    """The model's output variables: prediction, status, per-sample gradients and Jacobians."""
+    m = model.meta
+    obj = "sum of outputs" if m["objective"] == "sum" else "mean squared error against the target"
+    model_flags = sorted(MODEL_STATUS_FLAGS)
+    out: list[dict[str, Any]] = [
         {
             "name": "prediction",
             "src": ("model", "prediction"),
@@ -612,6 +638,14 @@ def output_variables(
                 },
             }
         )
+    return out
+
+
+def _trend_variables(
+    design: Artifact, units: str | None, y: str, x: str, shared: list[int]
+) -> list[dict[str, Any]]:
+    """``trend``, where the design has a trend column: its coefficient per raw obs unit."""
+    out: list[dict[str, Any]] = []
     trend = design.meta.get("trend")
     if trend is not None:
         col, scale = int(trend["column"]), float(trend["scale"])
@@ -637,23 +671,7 @@ def output_variables(
                 },
             }
         )
-    out += _harmonic_variables(design, units, y, x, shared)
-    # Optional outputs (gradients w.r.t. what wrt excludes, the Jacobian) where made.
-    kept = [
-        v for v in out if tiled[v["src"][0]].tiles and v["src"][1] in tiled[v["src"][0]].tiles[0][1]
-    ]
-    kept += _contract_variables(tiled, out, y, x)
-    coef_units = coefficient_units(load, design)
-    for v in kept:
-        _cf_attrs(v, coef_units, units)
-        if "coef" in v["dims"]:
-            v["attrs"]["coordinates"] = " ".join(_coef_labels(coef_units))
-        if layout == "flat" and len(v["dims"]) > 3:
-            # One extra dim per variable: what CDO and Panoply read.
-            v["flat_from"] = v["dims"][:-2]
-            v["dims"] = (f"{v['name']}_index", y, x)
-            v["attrs"]["coordinates"] = f"{v['name']}_label"
-    return kept
+    return out
 
 
 def _coef_labels(coef_units: list[str | None]) -> list[str]:
@@ -1197,7 +1215,8 @@ def provenance(
     return {
         "Conventions": CONVENTIONS,
         "history": f"{history.rstrip()}\n{line}" if history.strip() else line,
-        "title": "gridsolve per-pixel least squares and per-sample model gradients",
+        "title": "gridsolve per-pixel least squares"
+        + (" and per-sample model gradients" if "model" in config_json else ""),
         "source": "gridsolve",
         "gridsolve_config": json.dumps(config_json, sort_keys=True),
         "gridsolve_keys": json.dumps(dict(keys), sort_keys=True),
@@ -1213,8 +1232,8 @@ register(
         version=VERSION,
         config=NetCDFWrite,
         run=run,
-        inputs=("load", "design", "normal_equations", "solve", "model"),
-        optional_inputs=("train",),
+        inputs=("load", "design", "normal_equations", "solve"),
+        optional_inputs=("model", "train"),
         verify=still_valid,
         records_sources=True,
         alignment=lambda cfg, grid: chunk_alignment(cfg, grid["y_dim"], grid["x_dim"]),

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import xarray as xr
 import yaml
 
-from testkit import make_ds
+from testkit import make_ds, run_yaml
 
 GRIDSOLVE = str(Path(sys.executable).parent / "gridsolve")
 
@@ -134,3 +135,31 @@ def test_a_rerun_from_another_folder_hits_the_same_cache(tmp_path: Path) -> None
     assert (project / ".gridsolve-cache").is_dir() and (project / "out.nc").is_file()
     assert not (tmp_path / ".gridsolve-cache").exists()
     assert not (elsewhere / ".gridsolve-cache").exists()
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_trend_without_a_model_section_writes_what_ran_and_is_cached(tmp_path: Path) -> None:
+    """No model section: no model runs; the output holds solve's variables; a rerun all hits."""
+    make_ds(n_obs=24, ny=4, nx=5, nan_fraction=0.1).to_netcdf(tmp_path / "cube.nc")
+    raw = {
+        "load": {"path": "cube.nc", "variable": "signal"},
+        "design": {"impl": "polynomial", "degree": 1},
+        "solve": {"uncertainty": "stderr"},
+        "write": {"path": "out.nc"},
+        "cache": {"root": "cache"},
+    }
+    first = run_yaml(tmp_path / "trend.yaml", raw)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "model" not in first.stdout.split("tiles:")[0]  # no model row in the stage table
+    with xr.open_dataset(tmp_path / "out.nc") as ds:
+        names = set(ds.data_vars)
+        assert "prediction" not in names and "model_status" not in names
+        assert not any(n.startswith(("grad_", "jac_")) for n in names)
+        assert {"coefficients", "coef_stderr", "p_value", "trend", "status"} <= names
+        assert "output" not in ds.dims
+    again = run_yaml(tmp_path / "trend.yaml", raw)
+    assert again.returncode == 0, again.stderr[-3000:]
+    table = again.stdout.split("tiles:")[0]
+    kinds = ("load", "design", "normal_equations", "solve", "write")
+    rows = [line for line in table.splitlines() if line.split()[:1] and line.split()[0] in kinds]
+    assert len(rows) == 5 and all(" hit " in r for r in rows), table

@@ -81,6 +81,38 @@ def test_real_data_without_a_design_gets_one_message_with_examples(tmp_path: Pat
     ]
 
 
+def test_no_model_section_runs_no_model_and_a_section_without_impl_is_the_linear_one(
+    tmp_path: Path,
+) -> None:
+    base = {
+        "load": {"path": str(tmp_path / "x.nc")},
+        "design": {"impl": "polynomial", "degree": 1},
+        "write": {"path": "o.nc"},
+    }
+    cfg = build_config(base)
+    assert cfg.model.impl == "none" and not cfg.model.active
+    assert build_config({**base, "model": {"impl": "none"}}) == cfg
+    linear = build_config({**base, "model": {"input_dim": 2, "hidden_dim": 1}})
+    assert linear.model.impl == "multidim_linear" and linear.model.active
+    with pytest.raises(ConfigError) as err:
+        build_config({**base, "model": {"impl": "none", "seed": 3}})
+    assert "model.seed: unknown key" in str(err.value)
+
+
+def test_training_without_a_model_is_refused_in_one_sentence(tmp_path: Path) -> None:
+    raw = {
+        "load": {"path": str(tmp_path / "x.nc"), "target": "t"},
+        "design": {"impl": "polynomial", "degree": 1},
+        "train": {"impl": "adam"},
+    }
+    with pytest.raises(ConfigError) as err:
+        build_config(raw)
+    (violation,) = err.value.violations
+    assert "train impl 'adam' fits a model's weights, and the run has none" in violation
+    assert "add a model section" in violation
+    assert "found" not in violation  # the whole config is not echoed back
+
+
 def test_ridge_policy_needs_positive_lambda() -> None:
     with pytest.raises(ConfigError, match="policy=ridge needs ridge > 0"):
         build_config({**DEMO_DEFAULTS, "solve": {"policy": "ridge"}})

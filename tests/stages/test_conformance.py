@@ -12,6 +12,7 @@ needs an entry in EXAMPLES.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -188,8 +189,30 @@ def test_solve(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
             np.testing.assert_allclose(coef[:, j, i], expected, rtol=2e-4, atol=2e-5)
 
 
+#: What a run writes without a model: every variable comes from solve or design (no
+#: prediction, model_status, grad_* or jac_*).
+WITHOUT_MODEL = {
+    "design",
+    "coefficients",
+    "residual_rms",
+    "n_valid",
+    "status",
+    "coef_stderr",
+    "t_value",
+    "p_value",
+    "dof",
+    "r2",
+    "uncertainty_flags",
+    "trend",
+}
+
+
 @pytest.mark.parametrize("impl", _impls("model"))
 def test_model(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
+    if impl == "none":
+        cfg = build_config(_config(tmp_path, cube, "model", impl))
+        assert "model" not in run_plan(cfg.stage_configs(), ctx, tile_pixels=24)
+        return
     cfg, refs = _run(tmp_path, cube, ctx, "model", impl)
     coef = _assemble(ctx, refs["solve"], "coefficients")
     pred = _assemble(ctx, refs["model"], "prediction")
@@ -212,6 +235,27 @@ def test_write(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
     with xr.open_zarr(out) if out.is_dir() else xr.open_dataset(out) as ds:  # file or store
         got = ds["coefficients"].values
         np.testing.assert_array_equal(got, coef.astype(got.dtype))
+
+
+@pytest.mark.parametrize("impl", _impls("write"))
+def test_write_without_a_model(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
+    sections = _config(tmp_path, cube, "write", impl)
+    del sections["model"]  # no section: no model
+    sections["design"] = {"impl": "polynomial", "degree": 1}
+    sections["load"].pop("design")
+    sections["solve"]["uncertainty"] = "stderr"
+    refs = run_plan(build_config(sections).stage_configs(), ctx, tile_pixels=24)
+    assert "model" not in refs
+    out = Path(refs["write"].meta["path"])
+    with xr.open_zarr(out) if out.is_dir() else xr.open_dataset(out) as ds:
+        assert set(ds.data_vars) == WITHOUT_MODEL
+        assert "output" not in ds.dims
+        assert ds.attrs["title"] == "gridsolve per-pixel least squares"
+        assert "model" not in json.loads(ds.attrs["gridsolve_config"])
+        coef = _assemble(ctx, refs["solve"], "coefficients")
+        np.testing.assert_array_equal(
+            ds["coefficients"].values, coef.astype(ds["coefficients"].dtype)
+        )
 
 
 @pytest.mark.parametrize("impl", _impls("train"))
