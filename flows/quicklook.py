@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.paths import atomic_file
-from gridsolve.stages.engine.provenance import MARK_KEY, MARK_VALUE, png_text
+from gridsolve.stages.engine.provenance import MARK_KEY, MARK_VALUE, STAMP_KEY, png_text
 from gridsolve.stages.write.netcdf import DESIGN_VARIABLE
 
 MAX_SIDE = 300
@@ -592,10 +592,6 @@ def _write_beside(
     with atomic_file(path) as tmp:
         tmp.write_bytes(png)
     return path
-
-
-#: The PNG text key holding :func:`drawn_from`'s stamp of the output a picture shows.
-STAMP_KEY = "gridsolve-output"
 
 
 def drawn_from(output: str | Path, caption: Caption | None) -> str | None:

@@ -59,8 +59,9 @@ def is_gridsolve_output(path: Path) -> bool:
 #: output (quick-look, loss picture, trained weights) as gridsolve's.
 MARK_KEY = "gridsolve"
 MARK_VALUE = "written by gridsolve beside its output"
-#: The quick-look's older mark (its stamp of the output it shows).
-_STAMP_KEY = "gridsolve-output"
+#: The PNG text key of a quick-look's stamp of the output it shows (flows/quicklook.py);
+#: quick-looks written before :data:`MARK_KEY` carry only this.
+STAMP_KEY = "gridsolve-output"
 
 
 def png_text(png: bytes) -> dict[str, str]:
@@ -107,4 +108,4 @@ def is_gridsolve_side_file(path: Path) -> bool:
     except OSError:
         return False
     text = png_text(head)
-    return text.get(MARK_KEY) == MARK_VALUE or _STAMP_KEY in text
+    return text.get(MARK_KEY) == MARK_VALUE or STAMP_KEY in text
