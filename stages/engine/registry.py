@@ -23,7 +23,7 @@ from typing import Any
 from gridsolve.schemas import catalog
 from gridsolve.schemas.base import StageConfig
 from gridsolve.schemas.contracts import ArraySpec
-from gridsolve.schemas.errors import ConfigError
+from gridsolve.schemas.errors import ConfigError, ContractError
 from gridsolve.schemas.pipeline import STAGE_KINDS, suggest
 from gridsolve.stages.engine.contract import contract_of
 
@@ -181,6 +181,35 @@ def register(decl: StageDecl, *, replace: bool = False) -> StageDecl:
         _REGISTRY[decl.kind][decl.impl] = decl
         catalog.add(decl.config)
     return decl
+
+
+def register_none(kind: str, config: type[StageConfig], version: str, summary: str) -> StageDecl:
+    """Register ``kind``'s ``none`` implementation: a config never ``active``, left out of plans.
+
+    Its functions are never called (the plan leaves the stage out); they refuse if
+    they are. Tiled or whole as the kind's contract says.
+    """
+    stage = f"{kind}/none"
+
+    def never(*_: Any) -> Any:
+        raise ContractError(
+            f"{kind} impl 'none' does not run", stage=stage, fix="leave it to the plan"
+        )
+
+    contract = contract_of(kind)
+    tiled = contract is not None and contract.tiled
+    return register(
+        StageDecl(
+            kind=kind,
+            impl="none",
+            version=version,
+            config=config,
+            run=never,
+            prepare=never if tiled else None,
+            tiled=tiled,
+            summary=summary,
+        )
+    )
 
 
 def unregister(kind: str, impl: str) -> None:

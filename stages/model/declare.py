@@ -14,12 +14,11 @@ from typing import Any
 import numpy as np
 
 from gridsolve.schemas.contracts import ArraySpec
-from gridsolve.schemas.errors import ContractError, InputError
+from gridsolve.schemas.errors import InputError
 from gridsolve.schemas.kinds.model import ModelConfig, ModuleModel, MultidimLinearModel, NoModel
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.hashing import file_digest
-from gridsolve.stages.engine.registry import Lazy, StageDecl, register
-from gridsolve.stages.engine.store import StageOutput
+from gridsolve.stages.engine.registry import Lazy, StageDecl, register, register_none
 
 VERSION = "2"
 
@@ -97,23 +96,9 @@ for _impl, _cfg, _summary in (
     )
 
 
-def run_none(config: NoModel, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
-    """No model: never run, since a ``none`` model is left out of the plan."""
-    raise ContractError(
-        "model impl 'none' does not run", stage="model/none", fix="leave it to the plan"
-    )
-
-
-register(
-    StageDecl(
-        kind="model",
-        impl="none",
-        version=VERSION,
-        config=NoModel,
-        run=run_none,
-        prepare=run_none,
-        tiled=True,  # as the model contract runs, though a none model never does
-        summary="no model: the run writes the coefficients and their uncertainty only "
-        "(left out of the plan)",
-    )
+register_none(
+    "model",
+    NoModel,
+    VERSION,
+    "no model: the run writes the coefficients and their uncertainty only (left out of the plan)",
 )

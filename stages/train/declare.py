@@ -6,35 +6,15 @@ The implementation is ``stages/train/stage.py``, imported when a training runs
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from gridsolve.schemas.errors import ContractError
 from gridsolve.schemas.kinds.train import AdamTrain, NoTrain, SGDTrain
-from gridsolve.stages.engine.context import StageContext
-from gridsolve.stages.engine.registry import Lazy, StageDecl, register
-from gridsolve.stages.engine.store import StageOutput
+from gridsolve.stages.engine.registry import Lazy, StageDecl, register, register_none
 
 # 2: both losses at each epoch's final weights; best_epoch recorded without early stopping
 VERSION = "2"
 
 
-def run_none(config: NoTrain, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
-    """No training: never run, since a ``none`` train is left out of the plan."""
-    raise ContractError(
-        "train impl 'none' does not run", stage="train/none", fix="leave it to the plan"
-    )
-
-
-register(
-    StageDecl(
-        kind="train",
-        impl="none",
-        version=VERSION,
-        config=NoTrain,
-        run=run_none,
-        summary="no training: the model's weights as given (left out of the plan)",
-    )
+register_none(
+    "train", NoTrain, VERSION, "no training: the model's weights as given (left out of the plan)"
 )
 for _impl, _cfg, _summary in (
     ("sgd", SGDTrain, "minibatch SGD with per-sample clipping, optionally DP-SGD"),
