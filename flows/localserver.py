@@ -39,8 +39,14 @@ def stop_group(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
 
 
 def port_in_use(host: str, port: int) -> bool:
-    """Whether something already listens on ``host:port`` (binding it fails)."""
+    """Whether something already listens on ``host:port`` (binding it fails).
+
+    Binds as the server will (SO_REUSEADDR, as uvicorn does): connections a stopped
+    server left in TIME-WAIT do not count, so a restart right after a stop starts
+    (without it, a systemd restart loop failed for ~60 s, issue 32).
+    """
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
