@@ -138,6 +138,7 @@ def leases_now(cache: Path) -> list[Path]:
     return sorted((cache / LEASES).glob("*.json")) if (cache / LEASES).exists() else []
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.usefixtures("prefect_server")
 def test_a_run_pruning_under_a_tiny_cap_spares_what_a_concurrent_run_uses(
     tmp_path: Path,
@@ -235,6 +236,7 @@ def owner(prefixes: list[str], among: list[str]) -> list[str]:
     return [next(k for k in among if k.startswith(p)) for p in prefixes]
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.usefixtures("prefect_server")
 def test_prune_spares_what_a_live_run_uses_and_evicts_it_once_that_process_is_dead(
     tmp_path: Path,
@@ -323,6 +325,7 @@ def test_prune_spares_what_a_live_run_uses_and_evicts_it_once_that_process_is_de
     assert_matches_lstsq(tmp_path / "two.nc", tmp_path / "two-cube.nc")
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.usefixtures("prefect_server")
 def test_keep_last_in_a_run_keeps_the_newest_outputs_and_their_pictures(tmp_path: Path) -> None:
     cfg = config(tmp_path, "kept", seed=4)
@@ -352,6 +355,7 @@ def test_keep_last_in_a_run_keeps_the_newest_outputs_and_their_pictures(tmp_path
         assert_matches_lstsq(kept, tmp_path / "kept-cube.nc")
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_cache_command_messages_and_exit_codes(tmp_path: Path) -> None:
     bad = gridsolve("cache", "prune", "--max-size", "lots", "--root", str(tmp_path))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr

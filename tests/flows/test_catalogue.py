@@ -401,6 +401,7 @@ def test_bad_bucket(
 
 
 # ---------------------------------------------------------------- what a worker may read
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_inputs_outside_the_allowed_roots_are_refused_before_any_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -106,6 +106,7 @@ def test_validate_good_and_bad(tmp_path: Path) -> None:
     assert_clean_failure(bad, "solve.polcy: unknown key", "write.complevel")
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_reading_commands_import_neither_torch_nor_prefect(tmp_path: Path) -> None:
     """`schema` and `validate` are cheap: they import neither torch nor Prefect."""
     cube = tmp_path / "cube.nc"
@@ -127,6 +128,7 @@ def test_reading_commands_import_neither_torch_nor_prefect(tmp_path: Path) -> No
     assert_clean_failure(gridsolve("validate", str(bad)), "cannot import module 'nosuch.mod'")
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.server
 @pytest.mark.usefixtures("prefect_server")
 def test_missing_input_fails_cleanly_without_output(tmp_path: Path) -> None:
@@ -139,6 +141,7 @@ def test_missing_input_fails_cleanly_without_output(tmp_path: Path) -> None:
     assert not (tmp_path / "out.nc").exists()
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_an_empty_prefect_api_url_counts_as_unset(tmp_path: Path) -> None:
     """`PREFECT_API_URL= gridsolve run …`: Prefect's temporary server, and no event errors."""
     cube = tmp_path / "cube.nc"
@@ -154,6 +157,7 @@ def test_bad_override_syntax(tmp_path: Path) -> None:
     assert_clean_failure(gridsolve("run", str(cfg), "--set", "solve.ridge"), "key=value")
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.usefixtures("prefect_server")
 def test_demo_then_rerun_hits_the_cache(tmp_path: Path) -> None:
     res = gridsolve("demo", "--out", str(tmp_path / "demo"))

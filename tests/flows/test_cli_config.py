@@ -96,6 +96,7 @@ def test_plain_numbers_and_bools_still_work(tmp_path: Path) -> None:
     assert shown["load"]["variable"] == "no"
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_duplicate_keys_name_the_key_and_both_lines(tmp_path: Path) -> None:
     make_ds(n_obs=8, ny=3, nx=4).to_netcdf(tmp_path / "cube.nc")
     cfg = tmp_path / "dup.yaml"
@@ -117,6 +118,7 @@ def test_duplicate_keys_name_the_key_and_both_lines(tmp_path: Path) -> None:
     assert not (tmp_path / "gridsolve-output.nc").exists()
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.usefixtures("prefect_server")
 def test_a_rerun_from_another_folder_hits_the_same_cache(tmp_path: Path) -> None:
     """No cache section: the default cache.root is in the config's folder, wherever it runs."""
@@ -137,6 +139,7 @@ def test_a_rerun_from_another_folder_hits_the_same_cache(tmp_path: Path) -> None
     assert not (elsewhere / ".gridsolve-cache").exists()
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.usefixtures("prefect_server")
 def test_a_trend_without_a_model_section_writes_what_ran_and_is_cached(tmp_path: Path) -> None:
     """No model section: no model runs; the output holds solve's variables; a rerun all hits."""

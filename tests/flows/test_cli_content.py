@@ -30,6 +30,7 @@ def run(*args: str) -> dict[str, str]:
     return cache
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.usefixtures("prefect_server")
 def test_touched_or_copied_input_reruns_from_the_cache(tmp_path: Path) -> None:
     data = tmp_path / "data"

@@ -50,6 +50,7 @@ def test_validate_refuses_dims_it_cannot_identify(tmp_path: Path) -> None:
     assert "config is valid" in ok.stdout
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.server
 @pytest.mark.usefixtures("prefect_server")
 def test_run_refuses_dims_it_cannot_identify_and_fits_along_obs_dim(tmp_path: Path) -> None:
@@ -68,6 +69,7 @@ def test_run_refuses_dims_it_cannot_identify_and_fits_along_obs_dim(tmp_path: Pa
     np.testing.assert_allclose(coef, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.server
 @pytest.mark.usefixtures("prefect_server")
 def test_run_says_what_a_valid_range_masked_once(tmp_path: Path) -> None:
@@ -112,6 +114,7 @@ def test_validate_names_months_since_instead_of_calling_the_file_corrupt(tmp_pat
     assert "re-download" not in res.stderr
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.server
 @pytest.mark.usefixtures("prefect_server")
 def test_run_combines_interleaved_files_in_time_order(tmp_path: Path) -> None:

@@ -57,6 +57,7 @@ def assert_nothing_derived_is_finite(out: xr.Dataset, undetermined: np.ndarray) 
         assert not np.isfinite(out[name].values[undetermined]).any(), name
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_one_valid_observation_is_underdetermined_and_its_trend_nan(tmp_path: Path) -> None:
     ds = make_ds(n_obs=12, ny=2, nx=3, seed=1)
     ds["signal"][1:, 0, 0] = np.nan  # pixel (0, 0): one valid observation for [1, t]
@@ -76,6 +77,7 @@ def test_one_valid_observation_is_underdetermined_and_its_trend_nan(tmp_path: Pa
     assert np.isfinite(out["trend"].values.ravel()[1:]).all()
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_a_single_time_step_determines_no_trend(tmp_path: Path) -> None:
     ds = make_ds(n_obs=1, ny=2, nx=3, seed=2)
     out = run(tmp_path, ds, {"impl": "polynomial", "degree": 1})
@@ -85,6 +87,7 @@ def test_a_single_time_step_determines_no_trend(tmp_path: Path) -> None:
     assert not np.isfinite(out["p_value"].values[1]).any()
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_more_coefficients_than_observations_with_stderr(tmp_path: Path) -> None:
     ds = make_ds(n_obs=6, ny=2, nx=3, seed=3)
     A = np.random.default_rng(3).standard_normal((6, 8))

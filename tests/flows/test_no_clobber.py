@@ -119,6 +119,7 @@ def test_output_that_is_the_config_file_is_refused(tmp_path: Path) -> None:
     refused_by_run_and_validate(cfg, cfg, f"the config file {cfg}")
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_output_matching_an_input_glob_or_template_is_refused(tmp_path: Path) -> None:
     """Globs and lists are checked against the files they match; templates filled as a run."""
     for i in range(2):
@@ -134,6 +135,7 @@ def test_output_matching_an_input_glob_or_template_is_refused(tmp_path: Path) ->
     refused_by_run_and_validate(cfg, dated, str(dated))
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_output_inside_the_cache_or_holding_an_input_is_refused(tmp_path: Path) -> None:
     cube = tmp_path / "data" / "cube.nc"
     cube.parent.mkdir()
@@ -145,6 +147,7 @@ def test_output_inside_the_cache_or_holding_an_input_is_refused(tmp_path: Path) 
     refused_by_run_and_validate(cfg, cube, f"write.path {cube.parent} contains load.path {cube}")
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.parametrize("zarr_format", [2, 3])
 @pytest.mark.parametrize("impl", ["zarr", "netcdf"])
 def test_output_that_is_an_input_zarr_store_is_refused(
@@ -159,6 +162,7 @@ def test_output_that_is_an_input_zarr_store_is_refused(
     refused_by_run_and_validate(cfg, store, "lies inside load.path")
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_trained_weights_over_the_weights_read_are_refused(tmp_path: Path) -> None:
     """With training on, ``<write.path>.weights.safetensors`` is written: never the one read."""
     cube = tmp_path / "cube.nc"
@@ -228,6 +232,7 @@ def test_the_flow_itself_refuses(tmp_path: Path) -> None:
 MODEL = {"impl": "multidim_linear", "input_dim": 2, "hidden_dim": 1, "output_dim": 1}
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.usefixtures("prefect_server")
 def test_keep_last_never_deletes_an_old_output_the_run_reads(tmp_path: Path) -> None:
     """An older output that is the run's load.path, or whose weights are model.weights, stays.
@@ -276,6 +281,7 @@ def test_keep_last_never_deletes_an_old_output_the_run_reads(tmp_path: Path) -> 
     assert not unread.exists()  # keep_last 1 still applies to what the run does not read
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.parametrize(
     ("load", "root", "needle"),
     [
@@ -310,6 +316,7 @@ def test_a_cache_root_holding_the_input_is_allowed(tmp_path: Path) -> None:
     assert res.returncode == 0 and "config is valid" in res.stdout, res.stderr
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_an_output_an_input_glob_would_match_is_refused_on_the_first_run(tmp_path: Path) -> None:
     """``cub*.nc`` matches ``cubeout.nc`` once it exists: refused before, naming the pattern."""
     cube = tmp_path / "cube.nc"
@@ -330,6 +337,7 @@ def test_an_output_an_input_glob_would_match_is_refused_on_the_first_run(tmp_pat
     assert res.returncode == 0 and "config is valid" in res.stdout, res.stderr
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.usefixtures("prefect_server")
 def test_keep_last_never_deletes_an_old_store_holding_the_config_file(tmp_path: Path) -> None:
     ko = tmp_path / "ko"
@@ -353,6 +361,7 @@ def test_keep_last_never_deletes_an_old_store_holding_the_config_file(tmp_path: 
     assert not unread.exists()
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_a_foreign_file_at_the_output_is_refused_before_any_work(tmp_path: Path) -> None:
     make_ds(n_obs=8, ny=3, nx=4).to_netcdf(tmp_path / "cube.nc")
     theirs = tmp_path / "theirs.nc"
@@ -367,6 +376,7 @@ def test_a_foreign_file_at_the_output_is_refused_before_any_work(tmp_path: Path)
     assert not (tmp_path / "cache").exists()  # refused before any stage ran
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_a_foreign_file_beside_the_output_is_refused(tmp_path: Path) -> None:
     make_ds(n_obs=8, ny=3, nx=4).to_netcdf(tmp_path / "cube.nc")
     mine = tmp_path / "mine.nc.quicklook.png"
@@ -386,6 +396,7 @@ def test_a_foreign_file_beside_the_output_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "mine.nc").exists() and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.usefixtures("prefect_server")
 def test_gridsolve_s_own_picture_is_replaced_after_the_output_is_deleted(tmp_path: Path) -> None:
     make_ds(n_obs=8, ny=3, nx=4).to_netcdf(tmp_path / "cube.nc")

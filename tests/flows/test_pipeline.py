@@ -46,6 +46,7 @@ def task_state_names(flow_run_id: str) -> dict[str, str]:
     return {r.name: r.state.name for r in runs if r.state is not None}
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_rerun_hits_every_stage_and_changes_recompute_only_what_they_touch(
     tmp_path: Path, write_cube: Any
 ) -> None:
@@ -89,6 +90,7 @@ def test_rerun_hits_every_stage_and_changes_recompute_only_what_they_touch(
     assert not any(s.hit for s in fourth.stages), fourth.table()
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_speed_only_fields_keep_the_cache(tmp_path: Path, write_cube: Any) -> None:
     cube = write_cube(make_ds())
     run_config(config(tmp_path, cube))
@@ -100,6 +102,7 @@ def test_speed_only_fields_keep_the_cache(tmp_path: Path, write_cube: Any) -> No
     assert again.all_hit, again.table()
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_deleted_artifact_is_recomputed_not_trusted(tmp_path: Path, write_cube: Any) -> None:
     import shutil
 
@@ -156,6 +159,7 @@ def test_servers_listen_on_loopback_only(prefect_server: Any) -> None:
     assert listening == ["0100007F"], listening  # 127.0.0.1
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_training_through_the_flow_reports_progress_and_the_loss_curve(
     tmp_path: Path, write_cube: Any
 ) -> None:

@@ -47,6 +47,7 @@ def test_wheel_installs_only_the_gridsolve_top_level_name(tmp_path: Path) -> Non
             assert f"gridsolve/{init.relative_to(REPO).as_posix()}" in names, init
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.usefixtures("prefect_server")
 def test_local_folders_named_like_the_packages_do_not_shadow_them(tmp_path: Path) -> None:
     # A project folder with its own flows/, stages/ and schemas/ (and tests/ on PYTHONPATH).

@@ -103,6 +103,7 @@ def _doubled(lstsq_source: str) -> str:
     )
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_editing_a_stage_source_misses_and_recomputes(tmp_path: Path) -> None:
     cube = tmp_path / "cube.nc"
     make_ds(n_obs=10, ny=3, nx=4).to_netcdf(cube)
@@ -134,6 +135,7 @@ def test_editing_a_stage_source_misses_and_recomputes(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_an_edit_in_place_misses_though_digests_are_remembered_between_processes(
     tmp_path: Path,
 ) -> None:

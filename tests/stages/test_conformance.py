@@ -127,6 +127,7 @@ def test_every_kind_has_a_contract() -> None:
     }
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.parametrize("impl", _impls("load"))
 def test_load(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
     _, refs = _run(tmp_path, cube, ctx, "load", impl)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pytest
 import xarray as xr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -117,6 +118,7 @@ def configs(draw: Any) -> dict[str, Any]:
     return raw
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @settings(
     max_examples=150,
     deadline=None,

@@ -442,6 +442,7 @@ def test_a_wrong_choice_names_the_values(monkeypatch: pytest.MonkeyPatch) -> Non
         kernel.choice()
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @needs_kernel
 def test_a_fresh_directory_gets_a_fresh_build(
     monkeypatch: pytest.MonkeyPatch, tmp_path: object

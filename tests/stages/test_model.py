@@ -454,6 +454,7 @@ def test_nan_target_flags_model_status(chain: Chain, write_cube: Any, tmp_path: 
         np.testing.assert_array_equal(var[:], expected)
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.parametrize("compile_mode", ["never", "always"])
 def test_non_finite_outputs_are_not_ok(
     chain: Chain, grid: Path, tmp_path: Path, compile_mode: str
@@ -596,6 +597,7 @@ def test_single_pixel_chunks_run_and_are_labelled_eager(
     assert kernel_used(chain) == "eager"
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_compiled_mse_input_gradients_and_jacobians_equal_autograd(
     chain: Chain, write_cube: Any, fresh_kernels: Any
 ) -> None:

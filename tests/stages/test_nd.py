@@ -537,6 +537,7 @@ def test_plane_window_and_pixel_name_follow_c_order() -> None:
     assert win == {"pressure": 1, "member": 0, "lat": slice(1, 4), "lon": slice(2, 5)}
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_many_tiles_give_the_numbers_of_one(ctx: Any, tmp_path: Path) -> None:
     path = write(cube5([500, 850]), tmp_path)
     one = pipeline(ctx, tmp_path, path, tile_pixels=10**6, name="one.nc")

@@ -80,6 +80,7 @@ def test_lstsq_oracle_on_the_local_run(local_out: xr.Dataset, cube: xr.Dataset) 
             np.testing.assert_allclose(coef[:, i, j], expected, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.parametrize("layout", ["file", "glob", "zarr"])
 def test_inputs_in_a_bucket_give_the_local_output(
     s3: Any, tmp_path: Path, cube: xr.Dataset, local_out: xr.Dataset, layout: str
@@ -117,6 +118,7 @@ def test_inputs_in_a_bucket_give_the_local_output(
         )
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_outputs_in_a_bucket_equal_the_local_output(
     s3: Any, tmp_path: Path, cube: xr.Dataset, local_out: xr.Dataset
 ) -> None:
@@ -172,6 +174,7 @@ def test_the_cache_in_a_bucket_serves_a_host_with_an_empty_disk(
     assert c.check(key)[0] == "miss"
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_a_whole_run_with_the_cache_in_a_bucket(
     s3: Any,
     tmp_path: Path,
@@ -246,6 +249,7 @@ def test_credentials_in_the_config_are_refused() -> None:
     assert "s3cr3t-value" not in str(err.value)
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_a_failed_zarr_write_leaves_nothing_in_the_bucket(
     s3: Any, tmp_path: Path, cube: xr.Dataset, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -304,6 +308,7 @@ def test_only_s3_urls_are_accepted() -> None:
             build_config(sect)
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_zarr_output_replaces_what_a_killed_writer_left_but_not_other_data(
     s3: Any, tmp_path: Path, cube: xr.Dataset, local_out: xr.Dataset
 ) -> None:
@@ -328,6 +333,7 @@ def test_zarr_output_replaces_what_a_killed_writer_left_but_not_other_data(
     assert s3.fs.cat_file(f"{s3.bucket}/xr.zarr/.zmetadata") == before
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_quick_look_of_a_bucket_output_uses_the_write_storage_options(
     s3: Any, tmp_path: Path, cube: xr.Dataset, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -369,6 +369,7 @@ def test_an_empty_side_of_the_split_names_its_counts_and_the_fix(
     check_split(SGDTrain(validation_fraction=0.0), {**every, "validation_pixels": 0}, shape, "t")
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.usefixtures("prefect_server")
 def test_through_gridsolve_run_the_curve_is_the_written_weights(tmp_path: Path) -> None:
     import subprocess

@@ -50,6 +50,7 @@ def run(ctx: Any, tmp_path: Path, src: Path, write: dict[str, Any], **extra: Any
     run_plan(build_config(sections).stage_configs(), ctx, tile_pixels=7)
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 @pytest.mark.parametrize("layout", ["nested", "flat"])
 def test_zarr_equals_netcdf_variable_for_variable(ctx: Any, tmp_path: Path, layout: str) -> None:
     src = cube(tmp_path)
@@ -88,6 +89,7 @@ def test_zarr_equals_netcdf_variable_for_variable(ctx: Any, tmp_path: Path, layo
     assert (tmp_path / "out.zarr.weights.safetensors").is_file()
 
 
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
 def test_rewrite_replaces_the_store_as_a_whole(ctx: Any, tmp_path: Path) -> None:
     src = cube(tmp_path)
     store = tmp_path / "out.zarr"
