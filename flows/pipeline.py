@@ -802,7 +802,10 @@ def pipeline(
     cache: CacheConfig = CacheConfig(),
     execution: ExecutionConfig = ExecutionConfig(),
 ) -> RunSummary:
-    """Fit every pixel, run the single-sample model with per-sample gradients, write NetCDF.
+    """Fit every pixel; run the single-sample model with per-sample gradients if configured; write.
+
+    The parameters' defaults are the demo's (what a deployment run from the UI
+    starts from); a config without a model section passes ``model: {impl: none}``.
 
     Args:
         load: The cube to read (a NetCDF file), or the demo cube.
@@ -810,7 +813,8 @@ def pipeline(
         normal_equations: The shared factorisation of the design (float64).
         solve: How each pixel's least-squares problem is solved.
         train: Whether and how the model is trained on the target (none by default).
-        model: The single-sample model run at every pixel, with per-sample gradients.
+        model: The single-sample model run at every pixel, with per-sample gradients
+            (impl none: no model).
         write: The output NetCDF file.
         cache: Where stage outputs are stored and reused.
         execution: Memory budget, tiles and task runner (never change results).

@@ -460,7 +460,9 @@ def _refuse_foreign_output(cfg: PipelineConfig, outputs: list[Place]) -> None:
             "no gridsolve mark): the run would replace it",
             stage=f"write/{cfg.write.impl}",
             violations=[f"{o.label} {o.path} exists" for o in foreign[1:]],
-            fix="move that file away, or set write.path to another name",
+            fix="move that file away, or set write.path to another name (a loss picture "
+            "or weights file that gridsolve wrote before version 0.1.0's marks carries "
+            "none either: delete it if it is gridsolve's)",
         )
 
 

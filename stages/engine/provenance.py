@@ -65,17 +65,27 @@ STAMP_KEY = "gridsolve-output"
 
 
 def png_text(png: bytes) -> dict[str, str]:
-    """The tEXt entries of a PNG (those before its image data)."""
+    """The text entries of a PNG (tEXt, and uncompressed iTXt), those before its image data.
+
+    Pillow writes a value that is not Latin-1 (a stamp naming a non-Latin path) as iTXt.
+    """
     out: dict[str, str] = {}
     pos = 8  # the signature
     while pos + 8 <= len(png):
         (length,) = struct.unpack(">I", png[pos : pos + 4])
         kind = png[pos + 4 : pos + 8]
+        body = png[pos + 8 : pos + 8 + length]
         if kind == b"IDAT":
             break
         if kind == b"tEXt":
-            key, _, value = png[pos + 8 : pos + 8 + length].partition(b"\0")
+            key, _, value = body.partition(b"\0")
             out[key.decode("latin-1")] = value.decode("latin-1")
+        elif kind == b"iTXt":
+            key, _, rest = body.partition(b"\0")
+            if rest[:1] == b"\0":  # not compressed
+                _lang, _, rest = rest[2:].partition(b"\0")
+                _translated, _, value = rest.partition(b"\0")
+                out[key.decode("latin-1")] = value.decode("utf-8", errors="replace")
         pos += 12 + length
     return out
 

@@ -16,6 +16,7 @@ names.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -499,6 +500,9 @@ class ValidRange:
     how: str
     #: why the attribute's type is neither the packed nor the unpacked type ("" if it is one)
     odd: str = ""
+    #: the attribute whose minimum is above its maximum ("" if none): every value is
+    #: masked, and a variable the run reads is refused (:meth:`MaskCount.report`)
+    reversed: str = ""
 
 
 def _attr_type(value: Any) -> np.dtype | None:
@@ -519,8 +523,7 @@ def valid_bounds(
     """The CF valid bounds a raw variable's ``attrs`` declare (see above); None if none apply.
 
     ``attrs`` are the variable's attributes as stored (packing included),
-    ``stored`` its stored dtype. ContractError for a minimum above the maximum
-    (every value would be masked: a mistake, not data that are all invalid).
+    ``stored`` its stored dtype; ``name`` is the variable's, for messages.
     """
     if "valid_range" in attrs and np.asarray(attrs["valid_range"]).size == 2:
         names = ["valid_range"]
@@ -563,15 +566,8 @@ def valid_bounds(
         hi = None if hi is None else np.asarray(hi).astype(stored).view(as_unsigned)
         said = [f"{k} {_jsonable(v)}" for k, v in (("min", lo), ("max", hi)) if v is not None]
         text += ", read as unsigned (_Unsigned = true): " + ", ".join(said)
-    if lo is not None and hi is not None and bool(lo > hi):
-        raise ContractError(
-            f"variable {name!r}: {text} puts its minimum above its maximum, so every value "
-            "would be marked missing",
-            stage=STAGE,
-            fix="correct or delete the attribute in a copy of the file (e.g. ncatted -a "
-            f"{names[0]},{name},d,, copy.nc): gridsolve never edits its input",
-        )
-    return ValidRange(lo, hi, unpacked, text, how, odd)
+    reversed_ = lo is not None and hi is not None and bool(lo > hi)
+    return ValidRange(lo, hi, unpacked, text, how, odd, names[0] if reversed_ else "")
 
 
 @dataclass
@@ -594,8 +590,20 @@ class MaskCount:
         self.size += size
 
     def report(self, name: str) -> None:
-        """Warn (once) when the range masked more than MASK_WARN_FRACTION, or its type is odd."""
+        """Warn (once) when the range masked more than MASK_WARN_FRACTION, or its type is odd.
+
+        ContractError for a range whose minimum is above its maximum (it masks every
+        value: a mistake in the file, not data that are all invalid).
+        """
         b = self.bounds
+        if b is not None and b.reversed:
+            raise ContractError(
+                f"variable {name!r}: {b.text} puts its minimum above its maximum, so every "
+                "value would be marked missing",
+                stage=STAGE,
+                fix="correct or delete the attribute in a copy of the file (e.g. ncatted -a "
+                f"{b.reversed},{name},d,, copy.nc): gridsolve never edits its input",
+            )
         if b is None or not self.size:
             return
         counted = self.masked  # a file set's counts are lazy (dask): read the files now
@@ -1084,7 +1092,9 @@ def scan_source(config: NetCDFLoad, base: Source, ident: Any) -> Scan:
 def _scan_cached(config_json: str, base_json: str, ident_json: str) -> Scan:
     got = _scan_or_refusal(config_json, base_json, ident_json)
     if isinstance(got, GridsolveError):
-        raise got
+        # a fresh copy each time: the remembered one keeps no caller's traceback, and
+        # two runs in one process never share (nor relabel) one exception object
+        raise copy.copy(got)  # rebuilt from its fields (GridsolveError.__reduce__)
     return got
 
 
@@ -1104,7 +1114,9 @@ def _scan_or_refusal(config_json: str, base_json: str, ident_json: str) -> Scan 
         src = resolve_selection(ds, var, config, base)
         scan = _scan(config, src.apply(ds), src, var)
     except GridsolveError as e:
-        return e
+        if e.transient:  # a retry may cure it: not remembered
+            raise
+        return e.with_traceback(None)
     finally:
         base.close(ds)
     return dataclasses.replace(scan, identity=json.loads(ident_json))

@@ -34,6 +34,7 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -1079,7 +1080,7 @@ def _two_product(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
 def compensated_residuals(A: torch.Tensor, B0: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``B0 − A·x`` (obs, P) as if computed in twice float64's precision (Ogita-Rump-Oishi Dot2).
 
-    For designs whose columns cancel (raw condition ≥ :data:`REFINE_COND`): plain
+    For designs at float64's limit (see :data:`QR_SPREAD_COND`): plain
     float64 residuals lose the digits the cancellation takes (Filip: the residual
     variance to 7 digits; this way to 11, as 80-bit arithmetic gives).
     """
@@ -1127,15 +1128,31 @@ def _qr_spread(
         spread.rss[part] = (Wc * r * r).sum(0).to(spread.rss.dtype)
         # numpy's LAPACK (what numpy and statsmodels users compare with), per pixel
         X = np.sqrt(Wc.cpu().numpy()).T[:, :, None] * An[None]  # (P, obs, coef)
+        R = cast(np.ndarray, np.linalg.qr(X, mode="r"))  # mode "r": R alone
         try:
-            Ri = np.linalg.inv(np.linalg.qr(X, mode="r"))  # (XᵀX)⁻¹ = Ri Riᵀ
-        except np.linalg.LinAlgError:  # an exactly singular R: keep the normal equations'
-            continue
-        var = torch.from_numpy((Ri * Ri).sum(-1).T.copy())
-        spread.var[:, part] = var.to(spread.var.device, spread.var.dtype)
+            Ri = np.linalg.inv(R)  # (XᵀX)⁻¹ = Ri Riᵀ
+            keep = np.ones(part.numel(), dtype=bool)
+        except np.linalg.LinAlgError:  # an exactly singular R: that pixel keeps the normal
+            Ri, keep = _inverses(R)  # equations' spread, the others take QR's
+        on = part[torch.from_numpy(keep)]
+        var = torch.from_numpy((Ri[keep] * Ri[keep]).sum(-1).T.copy())
+        spread.var[:, on] = var.to(spread.var.device, spread.var.dtype)
         if spread.cov is not None:
-            cov = torch.from_numpy(Ri @ Ri.transpose(0, 2, 1))
-            spread.cov[:, :, part] = _to_pixels_last(cov).to(spread.cov.device, spread.cov.dtype)
+            cov = torch.from_numpy(Ri[keep] @ Ri[keep].transpose(0, 2, 1))
+            spread.cov[:, :, on] = _to_pixels_last(cov).to(spread.cov.device, spread.cov.dtype)
+
+
+def _inverses(R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each of a stack's matrices inverted alone; and which were invertible."""
+    out = np.zeros_like(R)
+    keep = np.zeros(R.shape[0], dtype=bool)
+    for i in range(R.shape[0]):
+        try:
+            out[i] = np.linalg.inv(R[i])
+            keep[i] = True
+        except np.linalg.LinAlgError:
+            pass
+    return out, keep
 
 
 def _svd_spans(A: torch.Tensor, Wp: torch.Tensor, pol: Policy) -> torch.Tensor:

@@ -1188,9 +1188,11 @@ def _solve_batch(
 def _with_qr_rss(done: _Solved, rss: torch.Tensor, n_v: torch.Tensor, unit: bool) -> _Solved:
     """``done`` with the weighted residual RMS from the spread's residual sum (where it has one).
 
-    The residuals ``b − Ac`` of a design with raw condition ≥ REFINE_COND lose digits
-    to the columns' cancellation; the spread's compensated ones do not (see
-    ``linalg._qr_spread``). With unit weights the plain RMS is the weighted one.
+    The residuals ``b − Ac`` of a design at float64's limit (equilibrated condition ≥
+    ``linalg.QR_SPREAD_COND``) lose digits to the columns' cancellation; the spread's
+    compensated ones do not (see ``linalg._qr_spread``). With unit weights the plain
+    RMS is the weighted one (so such a design's ``residual_rms`` is the more exact one
+    when uncertainty is asked for).
     """
     assert done.wrms is not None
     have = torch.isfinite(rss)

@@ -281,3 +281,11 @@ def test_per_pixel_spread_of_an_ill_conditioned_design_is_householder_qr_s() -> 
         np.testing.assert_allclose(sp.var[:, p].numpy(), (Ri * Ri).sum(1), rtol=1e-12)
     se = np.sqrt(sp.rss.numpy()[:3] / (n - coef) * sp.var.numpy()[:, :3])
     assert nist_strd.lre(se, np.array(ds.sd)[:, None]).min() >= 7.0
+
+
+def test_inverses_keep_the_invertible_matrices_of_a_stack() -> None:
+    R = np.stack([np.eye(3) * 2.0, np.diag([1.0, 0.0, 1.0]), np.triu(np.ones((3, 3)))])
+    out, keep = linalg._inverses(R)
+    assert keep.tolist() == [True, False, True]
+    np.testing.assert_allclose(out[0], np.eye(3) / 2)
+    np.testing.assert_allclose(out[2] @ R[2], np.eye(3), atol=1e-15)

@@ -519,3 +519,29 @@ def test_the_unsigned_bounds_are_said_as_read(
     with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
         chain.whole("load", NetCDFLoad(path=str(write_cube(ds, "u8.nc"))))
     assert "valid_max = -56 (int8), read as unsigned (_Unsigned = true): max 200" in caplog.text
+
+
+def test_a_reversed_range_on_a_variable_the_run_does_not_read_is_left_alone(
+    ctx: Any, write_cube: Any, tmp_path: Path
+) -> None:
+    """A file set whose QC flag declares valid_range = 1, 0: the cube still loads."""
+    for i in range(2):
+        ds = make_ds(seed=i).isel(time=slice(6 * i, 6 * i + 6))
+        ds["qc"] = (("time",), np.zeros(6, np.int8), {"valid_range": np.array([1, 0], "i1")})
+        write_cube(ds, f"part-{i}.nc")
+    paths = sorted(str(p) for p in tmp_path.rglob("part-*.nc"))
+    meta = run(NetCDFLoad(path=paths, variable="signal"), {}, ctx).meta
+    assert meta["n_obs"] == 12
+
+
+def test_a_remembered_refusal_is_raised_afresh_each_time(ctx: Any, write_cube: Any) -> None:
+    ds = make_ds()
+    ds["signal"].attrs["valid_range"] = np.array([25.0, 15.0])
+    cfg = NetCDFLoad(path=str(write_cube(ds, "reversed-again.nc")))
+    seen = []
+    for _ in range(3):
+        with pytest.raises(ContractError) as err:
+            fingerprint(cfg, ctx)
+        seen.append(err.value)
+    assert len({id(e) for e in seen}) == 3  # no object shared between runs
+    assert len({str(e) for e in seen}) == 1

@@ -65,3 +65,12 @@ def test_a_quick_look_of_an_earlier_version_keeps_its_stamp_as_a_mark(tmp_path: 
     path = tmp_path / "out.nc.quicklook.png"
     fig.savefig(path, format="png", metadata={"gridsolve-output": '["out.nc", 1]'})
     assert is_gridsolve_side_file(path)
+
+
+def test_a_stamp_in_an_international_text_chunk_is_read(tmp_path: Path) -> None:
+    """Pillow writes a value that is not Latin-1 (a path in Greek) as iTXt."""
+    fig = Figure()
+    path = tmp_path / "out.nc.quicklook.png"
+    fig.savefig(path, format="png", metadata={"gridsolve-output": '["/δεδομένα/out.nc", 1]'})
+    assert png_text(path.read_bytes())["gridsolve-output"] == '["/δεδομένα/out.nc", 1]'
+    assert is_gridsolve_side_file(path)
