@@ -473,18 +473,23 @@ def test_unsigned_bytes_compare_their_valid_max_as_unsigned(chain: Chain, write_
     assert np.nansum(block) == 100 * (block.size - 1)
 
 
+def _ranged(write_cube: Any, valid_range: list[float], name: str) -> NetCDFLoad:
+    """The seeded cube written with ``signal``'s valid_range set, as a load config."""
+    ds = make_ds()
+    ds["signal"].attrs["valid_range"] = np.array(valid_range)
+    return NetCDFLoad(path=str(write_cube(ds, name)))
+
+
 def test_a_reversed_valid_range_is_refused_once(
     ctx: Any, write_cube: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """valid_range = 25, 15 would mask every value: one error naming it, no warning."""
-    ds = make_ds()
-    ds["signal"].attrs["valid_range"] = np.array([25.0, 15.0])
-    cfg = NetCDFLoad(path=str(write_cube(ds, "reversed.nc")))
+    cfg = _ranged(write_cube, [25.0, 15.0], "reversed.nc")
     with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
-        for _ in range(2):  # as a run does: the fingerprint, then the stage
+        # as a run does: the fingerprint, then the stage (each must refuse)
+        for step in (lambda: fingerprint(cfg, ctx), lambda: run(cfg, {}, ctx)):
             with pytest.raises(ContractError) as err:
-                fingerprint(cfg, ctx)
-                run(cfg, {}, ctx)
+                step()
             text = str(err.value)
             assert (
                 "variable 'signal': valid_range = [25.0, 15.0] (float64) puts its minimum" in text
@@ -496,9 +501,7 @@ def test_a_reversed_valid_range_is_refused_once(
 def test_a_range_that_masks_everything_warns_once_before_the_refusal(
     ctx: Any, write_cube: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ds = make_ds()
-    ds["signal"].attrs["valid_range"] = np.array([1e6, 2e6])
-    cfg = NetCDFLoad(path=str(write_cube(ds, "masked.nc")))
+    cfg = _ranged(write_cube, [1e6, 2e6], "masked.nc")
     with caplog.at_level(logging.WARNING, logger="gridsolve.load"):
         with pytest.raises(ContractError, match="entirely NaN"):
             fingerprint(cfg, ctx)
@@ -535,9 +538,7 @@ def test_a_reversed_range_on_a_variable_the_run_does_not_read_is_left_alone(
 
 
 def test_a_remembered_refusal_is_raised_afresh_each_time(ctx: Any, write_cube: Any) -> None:
-    ds = make_ds()
-    ds["signal"].attrs["valid_range"] = np.array([25.0, 15.0])
-    cfg = NetCDFLoad(path=str(write_cube(ds, "reversed-again.nc")))
+    cfg = _ranged(write_cube, [25.0, 15.0], "reversed-again.nc")
     seen = []
     for _ in range(3):
         with pytest.raises(ContractError) as err:
