@@ -416,7 +416,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from gridsolve.stages.engine.remote import is_url
     from gridsolve.stages.engine.store import open_store
     from gridsolve.stages.load.netcdf import check_opens
-    from gridsolve.stages.write.netcdf import check_write_target
+    from gridsolve.stages.write.target import check_write_target
 
     cfg = load_config(args.config, args.overrides)
     refuse_destructive_outputs(cfg, args.config, local_template_values())

@@ -89,8 +89,8 @@ from gridsolve.stages.engine.runner import (
     with_sources,
 )
 from gridsolve.stages.engine.store import bucket_mirror, open_store
-from gridsolve.stages.write.netcdf import check_write_target
 from gridsolve.stages.write.retention import apply_keep_last
+from gridsolve.stages.write.target import check_write_target
 
 PREFECT_RECORDS = "prefect"
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.paths import atomic_file
 from gridsolve.stages.engine.provenance import MARK_KEY, MARK_VALUE, STAMP_KEY, png_text
-from gridsolve.stages.write.netcdf import DESIGN_VARIABLE
+from gridsolve.stages.write.layout import DESIGN_VARIABLE
 
 MAX_SIDE = 300
 #: The percentiles of the finite values that a map's colour scale spans.

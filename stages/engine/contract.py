@@ -4,7 +4,9 @@ A :class:`KindContract` says whether the kind runs whole or tile by tile, and
 for each part it runs (``whole``, ``prepare``, ``tile``) which arrays it must
 return (:class:`ArraySpec`: named dims, dtype kinds; a tile's ``y``/``x``
 sizes are bound to the tile) and which metadata (a pydantic model: required
-keys and their types; implementations may add more). Each kind writes its
+keys and their types; implementations may add more), and what its arrays
+become in the output file (``variables``, see ``stages/engine/outputs.py``:
+the writers know no kind). Each kind writes its
 contract in ``stages/<kind>/contract.py`` and adds it here; the registry
 refuses an implementation that contradicts its kind's contract (a solve that
 is not tiled), and the runner checks every output against it, reporting
@@ -14,7 +16,7 @@ registered implementation of every kind, built-in and plugin, through it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,6 +51,13 @@ class KindContract:
     tiled: bool
     parts: Mapping[str, PartContract]
     summary: str = ""
+    #: ``(OutputContext) -> list[OutputVariable]``: the variables a run of this kind puts
+    #: in the output file, with their CF attributes (``stages/engine/outputs.py``);
+    #: None: its tile arrays are written as the ``tile`` part lists them
+    variables: Callable[..., list[Any]] | None = None
+    #: ``(own artifact, load artifact) -> Extension``: what a whole kind adds to the output
+    #: (``stages/engine/outputs.py``); None: nothing
+    extends: Callable[..., Any] | None = None
 
     def part(self, name: str) -> PartContract:
         """The contract of part ``name`` (an empty one if the kind declares none)."""

@@ -223,10 +223,12 @@ def atomic_folder(final: Path) -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------- outputs that would destroy
-#: Files a run writes beside ``write.path`` (flows/quicklook.py, stages/write/netcdf.py).
+#: Files a run writes beside ``write.path`` (flows/quicklook.py, stages/train/outputs.py).
 QUICKLOOK_SUFFIX = ".quicklook.png"
 LOSS_SUFFIX = ".loss.png"
 WEIGHTS_SUFFIX = ".weights.safetensors"
+#: Every suffix of a file beside an output that describes it (replaced or removed with it).
+BESIDE_SUFFIXES = (WEIGHTS_SUFFIX, QUICKLOOK_SUFFIX, LOSS_SUFFIX)
 
 
 @dataclass(frozen=True)

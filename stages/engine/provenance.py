@@ -12,6 +12,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
+#: Zarr v2 and v3 store markers.
+ZARR_MARKERS = (".zgroup", ".zarray", ".zmetadata", "zarr.json")
+
 
 def _store_attrs(path: Path) -> dict[str, Any]:
     """The root attributes of a Zarr store of any format version ({} if it has none)."""

@@ -109,6 +109,12 @@ class StageDecl:
     ``read_block`` ``(meta, role, tile) -> array`` on the stage that describes
     the cube (load): how tiled stages read a block of it (see
     ``stages/engine/blocks.py``).
+    ``variables`` ``(OutputContext) -> list[OutputVariable]`` on a tiled stage: the
+    output variables of the arrays this implementation makes beyond its kind's
+    (the kind's own are described by its contract, ``KindContract.variables``);
+    the writers write them with no edit of theirs. ``writes_outputs``: the stage
+    writes the output file from what its inputs' kinds describe (the writers): its
+    key covers the code of those descriptions.
     """
 
     kind: str
@@ -135,6 +141,8 @@ class StageDecl:
     counts: str | None = None
     describe: Callable[[Mapping[str, Any]], str] | None = None
     read_block: Callable[[Mapping[str, Any], str, Any], Any] | None = None
+    variables: Callable[..., list[Any]] | None = None
+    writes_outputs: bool = False
 
 
 _REGISTRY: dict[str, dict[str, StageDecl]] = {k: {} for k in STAGE_KINDS}

@@ -43,16 +43,39 @@ def _name(decl: StageDecl) -> str:
     return f"{decl.kind}/{decl.impl}"
 
 
+def code_roots(decl: StageDecl) -> set[str]:
+    """The modules whose code (with what they import) a stage implementation's key covers.
+
+    The modules defining its functions and config, and the runner; for a writer,
+    also those describing its inputs' outputs.
+    """
+    # A writer's: how the kinds it reads describe their results in the output file (the
+    # file depends on it; their arrays, hence their own keys, do not).
+    read = (*decl.inputs, *decl.optional_inputs) if decl.writes_outputs else ()
+    described = [c for c in map(contract_of, read) if c is not None]
+    fns = (
+        decl.run,
+        decl.prepare,
+        decl.fingerprint,
+        decl.verify,
+        decl.locate,
+        decl.config,
+        decl.variables,
+        *(c.variables for c in described),
+        *(c.extends for c in described),
+    )
+    roots = {getattr(f, "__module__", None) for f in fns if f is not None}
+    return {__name__, *(r for r in roots if r)}
+
+
 def code_version(decl: StageDecl) -> str:
     """Digest of the source of the code a stage implementation runs.
 
-    The modules defining its functions and config, and the runner, with what
-    they import (see ``stages/engine/versions.py``). Read from disk when a file's
-    size or mtime changed, so an edited stage gets new keys.
+    The modules of :func:`code_roots`, with what they import (see
+    ``stages/engine/versions.py``). Read from disk when a file's size or mtime
+    changed, so an edited stage gets new keys.
     """
-    fns = (decl.run, decl.prepare, decl.fingerprint, decl.verify, decl.locate, decl.config)
-    roots = {getattr(f, "__module__", None) for f in fns if f is not None}
-    return code_digest({__name__, *(r for r in roots if r)})
+    return code_digest(code_roots(decl))
 
 
 def reads(decl: StageDecl, refs: Mapping[str, Ref]) -> tuple[str, ...]:

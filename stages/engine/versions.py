@@ -14,7 +14,9 @@ site-packages: a user's package). Imports inside functions are not followed:
 in gridsolve they only register implementations or break import cycles, and
 following them would make every stage depend on every other. Packages
 installed in site-packages are covered by their version instead, for those
-that can change numbers (:data:`NUMERIC_PACKAGES`).
+that can change numbers (:data:`NUMERIC_PACKAGES`). Code that is not Python
+(the solve's C kernels) is covered through the module that builds it, which
+names its files in a module-level ``CODE_FILES`` tuple.
 
 The digest is of the files on disk, re-read when their size or mtime change;
 a long-running process (a Dask worker) whose files were edited under it runs
@@ -86,6 +88,8 @@ def forget_versions() -> None:
 class _Parsed:
     digest: str
     imports: tuple[str, ...]
+    #: files beside the module that are code it runs (its ``CODE_FILES``: C sources)
+    files: tuple[str, ...] = ()
 
 
 _PARSED: dict[tuple[str, int, int, int], _Parsed] = {}
@@ -122,10 +126,9 @@ def memo_file() -> Path | None:
 def _valid_entry(value: Any) -> bool:
     return (
         isinstance(value, list)
-        and len(value) == 2
+        and len(value) == 3
         and isinstance(value[0], str)
-        and isinstance(value[1], list)
-        and all(isinstance(i, str) for i in value[1])
+        and all(isinstance(v, list) and all(isinstance(i, str) for i in v) for v in value[1:])
     )
 
 
@@ -216,6 +219,29 @@ def _imports(tree: ast.Module, package: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _code_files(tree: ast.Module) -> tuple[str, ...]:
+    """The module's ``CODE_FILES``: paths, relative to its folder, of other code it runs.
+
+    A module that compiles or loads code that is not Python (the solve's C kernels)
+    names those files in a module-level tuple of strings, so that the digest covers them.
+    """
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign | ast.AnnAssign)
+            and any(
+                isinstance(t, ast.Name) and t.id == "CODE_FILES"
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            )
+            and isinstance(node.value, ast.Tuple)
+        ):
+            return tuple(
+                e.value
+                for e in node.value.elts
+                if isinstance(e, ast.Constant) and isinstance(e.value, str)
+            )
+    return ()
+
+
 def _parse(path: str, package: str) -> _Parsed:
     global _DISK_NEW
     st = os.stat(path)
@@ -230,7 +256,7 @@ def _parse(path: str, package: str) -> _Parsed:
         known = _disk().get(disk_key)
         if known is not None:
             _USED.add(disk_key)
-            _PARSED[memo] = _Parsed(digest=known[0], imports=tuple(known[1]))
+            _PARSED[memo] = _Parsed(known[0], tuple(known[1]), tuple(known[2]))
             return _PARSED[memo]
     try:
         with PARSE_LOCK:
@@ -239,11 +265,12 @@ def _parse(path: str, package: str) -> _Parsed:
         parsed = _Parsed(digest=hash_text(source.decode("utf-8", "replace")), imports=())
     else:
         imports = _imports(tree, package)
+        files = _code_files(tree)
         normalised = ast.dump(_StripDocstrings().visit(tree), include_attributes=False)
-        parsed = _Parsed(digest=hash_text(normalised), imports=imports)
+        parsed = _Parsed(digest=hash_text(normalised), imports=imports, files=files)
     with _LOCK:
         _PARSED[memo] = parsed
-        _disk()[disk_key] = [parsed.digest, list(parsed.imports)]
+        _disk()[disk_key] = [parsed.digest, list(parsed.imports), list(parsed.files)]
         _USED.add(disk_key)
         _DISK_NEW = True
     return parsed
@@ -332,6 +359,11 @@ def module_digests(roots: Iterable[str]) -> dict[str, str]:
             continue
         parsed = _parse(path, _package_of(name, path))
         out[name] = parsed.digest
+        for f in parsed.files:
+            try:
+                out[f"{name}/{f}"] = xxhash.xxh3_128_hexdigest((Path(path).parent / f).read_bytes())
+            except OSError:
+                out[f"{name}/{f}"] = "missing"
         todo += parsed.imports
     return dict(sorted(out.items()))
 

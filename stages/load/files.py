@@ -34,11 +34,10 @@ from gridsolve.schemas.errors import ContractError, InputError
 from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.hashing import canonical_json, file_identity, hash_file, hash_text
 from gridsolve.stages.engine.paths import atomic_file
+from gridsolve.stages.engine.provenance import ZARR_MARKERS
 
 STAGE = "load"
 _MAGIC = set("*?[")
-#: Zarr v2 and v3 store markers.
-ZARR_MARKERS = (".zgroup", ".zarray", ".zmetadata", "zarr.json")
 
 
 def relative_paths() -> str:

@@ -50,8 +50,9 @@ from gridsolve.stages.engine.hashing import (
 )
 from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
+from gridsolve.stages.engine.tiles import plane_window
 from gridsolve.stages.load import files as filesets
-from gridsolve.stages.load.contract import grid_shape, plane_window
+from gridsolve.stages.load.contract import grid_shape
 from gridsolve.stages.load.demo import demo_file
 from gridsolve.stages.load.patterns import GridPatterns
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gridsolve.schemas.contracts import ArraySpec
 from gridsolve.stages.engine.contract import KindContract, Meta, PartContract, add
+from gridsolve.stages.model import outputs
 
 
 class ModelPrepared(Meta):
@@ -37,6 +38,7 @@ CONTRACT = add(
                 meta=ModelTile,
             ),
         },
+        variables=outputs.variables,
         summary="per-sample outputs and gradients of a single-sample model",
     )
 )

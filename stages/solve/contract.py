@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gridsolve.schemas.contracts import ArraySpec
 from gridsolve.stages.engine.contract import KindContract, Meta, PartContract, add
+from gridsolve.stages.solve import outputs
 
 
 class SolvePrepared(Meta):
@@ -35,6 +36,7 @@ CONTRACT = add(
                 meta=SolveTile,
             ),
         },
+        variables=outputs.variables,
         summary="least squares at every pixel",
     )
 )

@@ -25,12 +25,12 @@ gap pattern; per pixel from the per-pixel factorisations, see
 − tr(H)`` (the rank; ``Σ s²/(s²+λ)`` under ridge), ``σ² = Σ w r² / dof``,
 standard errors, and R², centred when the pixel's valid rows span the
 constant, uncentred otherwise (statsmodels). The t-statistics
-(:func:`t_values`: coefficient / standard error, as stored) and the two-sided
-p-values (:func:`p_values` of t and ``dof``: Student t; the normal distribution
-under ``cov_scale: unscaled``) are derived data: the writer computes them where
-it writes them, tile by tile (a scipy call per value costs more than the rest
-of the uncertainty, and a stored t was 20 MB of fresh memory per 250,000
-pixels of ten coefficients, a fifth of the uncertainty's cost).
+(``t_values`` of ``stages/solve/outputs.py``: coefficient / standard error, as
+stored) and the two-sided p-values (``p_values`` of t and ``dof``: Student t;
+the normal distribution under ``cov_scale: unscaled``) are derived data: the
+writer computes them where it writes them, tile by tile (a scipy call per value
+costs more than the rest of the uncertainty, and a stored t was 20 MB of fresh
+memory per 250,000 pixels of ten coefficients, a fifth of the uncertainty's cost).
 """
 
 from __future__ import annotations
@@ -84,12 +84,6 @@ UNCERTAINTY_OUTPUTS = {
     "dof": ArraySpec(("y", "x"), "f"),
     "r2": ArraySpec(("y", "x"), "f"),
     "uncertainty_flags": ArraySpec(("y", "x"), "i"),
-}
-#: Bits of ``uncertainty_flags`` (CF flag_masks).
-UNCERTAINTY_FLAGS = {
-    1: "rank_deficient",  # some coefficients are not identifiable: their stderr, t, p are NaN
-    2: "no_residual_dof",  # dof ≤ 0: the residual variance, hence the scaled stderr, is undefined
-    4: "not_solved",  # the coefficients are NaN (see status)
 }
 
 
@@ -650,7 +644,7 @@ def _statistics(
 
     ``var`` (coef, n) or (coef,) and ``cov`` are the unscaled spread, NaN where
     a coefficient is not identifiable; the p-values are the writer's
-    (:func:`p_values`).
+    (``stages/solve/outputs.py`` ``p_values``).
     """
     dtype = np.dtype(config.dtype)
     solved = _solved(C, status)
@@ -683,40 +677,6 @@ def _statistics(
         cov = cov if cov.ndim == 3 else cov[:, :, None]
         with np.errstate(all="ignore"):
             out["coef_cov"] = (cov * (sigma * sigma)).astype(dtype, copy=False)
-    return out
-
-
-def t_values(coefficients: np.ndarray, stderr: np.ndarray) -> np.ndarray:
-    """t-statistics (coefficient / standard error) of stored results, in ``stderr``'s dtype.
-
-    NaN where the standard error is NaN (not identifiable, not solved); computed
-    in float64, so float32 outputs round once.
-    """
-    with np.errstate(all="ignore"):
-        t = np.asarray(coefficients, dtype=np.float64) / np.asarray(stderr, dtype=np.float64)
-    out: np.ndarray = t.astype(np.asarray(stderr).dtype, copy=False)
-    return out
-
-
-def p_values(t: np.ndarray, dof: np.ndarray, scaled: bool = True) -> np.ndarray:
-    """Two-sided p-values of t-statistics ``t`` (coef, …) with ``dof`` (…), in float64.
-
-    Student t with ``dof`` degrees of freedom (NaN where dof ≤ 0); ``scaled``
-    False (``cov_scale: unscaled``): the standard normal. Float64 whatever ``t``'s
-    dtype: float32 underflows p-values below 1.2e-38 (highly significant trends) to 0.
-    """
-    import scipy.special  # here: a run without uncertainty never needs it
-
-    t64 = np.asarray(t, dtype=np.float64)
-    with np.errstate(all="ignore"):
-        if scaled:
-            d = np.asarray(dof, dtype=np.float64)
-            # scipy.stats.t.sf(x, dof) is scipy.special.stdtr(dof, −x): called directly,
-            # it skips the distribution's argument checks (2.5× faster on many values).
-            p = 2.0 * scipy.special.stdtr(np.where(d > 0, d, np.nan), -np.abs(t64))
-        else:
-            p = 2.0 * scipy.special.ndtr(-np.abs(t64))
-    out: np.ndarray = p
     return out
 
 

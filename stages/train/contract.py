@@ -6,6 +6,7 @@ from typing import Any
 
 from gridsolve.schemas.contracts import ArraySpec
 from gridsolve.stages.engine.contract import KindContract, Meta, PartContract, add
+from gridsolve.stages.train import outputs
 
 
 class TrainMeta(Meta):
@@ -43,6 +44,7 @@ CONTRACT = add(
                 meta=TrainMeta,
             )
         },
+        extends=outputs.extends,
         summary="the model's weights fitted to the target over pixels (per-sample gradients)",
     )
 )

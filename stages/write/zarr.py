@@ -1,7 +1,7 @@
 """The ``write`` stage as a Zarr store: the NetCDF output's contract, for object stores and Dask.
 
 Same variables, dims, coordinates and attributes as ``write.impl: netcdf``
-(the variable table is shared: :func:`~gridsolve.stages.write.netcdf.output_variables`),
+(both write what :mod:`~gridsolve.stages.write.layout` describes),
 value for value. The store is built in a temporary folder beside ``write.path``:
 its metadata first (from xarray, so ``xarray.open_zarr`` reads it back with the
 CF decoding), then each tile's data into the chunks it covers, then the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -29,7 +29,7 @@ from gridsolve.schemas.kinds.write import ZarrWrite
 from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
-from gridsolve.stages.engine.paths import atomic_folder, sweep_dead_temporaries
+from gridsolve.stages.engine.paths import BESIDE_SUFFIXES, atomic_folder, sweep_dead_temporaries
 from gridsolve.stages.engine.registry import StageDecl, register
 
 if TYPE_CHECKING:
@@ -37,9 +37,29 @@ if TYPE_CHECKING:
 
 # zarr and dask are imported where a store is written, not here: every run imports
 # this module (it registers the writer), and they cost a third of a second.
+from gridsolve.stages.engine.outputs import Extension, OutputVariable
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
-from gridsolve.stages.load.contract import plane_window
-from gridsolve.stages.write import netcdf as nc_writer
+from gridsolve.stages.engine.tiles import plane_window
+from gridsolve.stages.write.layout import (
+    chunk_alignment,
+    chunk_sizes,
+    extensions,
+    file_dims,
+    flat_labels,
+    output_variables,
+    run_attrs,
+    side_files,
+    skeleton,
+    tile_plan,
+)
+from gridsolve.stages.write.target import (
+    check_output_path,
+    check_output_url,
+    file_facts,
+    sides_unchanged,
+    staging_root,
+    url_facts,
+)
 
 STAGE = "write/zarr"
 VERSION = "2"
@@ -53,7 +73,7 @@ WRITING = ".gridsolve-writing"
 def _template(
     config: ZarrWrite,
     load: Artifact,
-    variables: list[dict[str, Any]],
+    variables: list[OutputVariable],
     first: Mapping[str, Artifact],
     base: xr.Dataset,
 ) -> xr.Dataset:
@@ -66,23 +86,23 @@ def _template(
     sizes.update(zip(lead_dims, (int(n) for n in meta.get("lead_shape") or []), strict=True))
     out = base.copy()
     for v in variables:
-        data = nc_writer.tile_data(first, v)
+        data = v.data(first)
         own = data.shape[:-2]
-        if "flat_from" in v:
-            labels = nc_writer.flat_labels(v, own)
+        if v.flat_from is not None:
+            labels = flat_labels(v, own)
             own = (len(labels),)
-            index = v["dims"][0]
+            index = v.dims[0]
             out.coords[index] = (
                 index,
                 np.arange(own[0], dtype=np.int32),
-                {"long_name": f"position in the flattened dims of {v['name']}", "units": "1"},
+                {"long_name": f"position in the flattened dims of {v.name}", "units": "1"},
             )
-            out.coords[f"{v['name']}_label"] = (
+            out.coords[f"{v.name}_label"] = (
                 index,
                 np.array(labels, dtype=str),
-                {"long_name": f"{', '.join(v['flat_from'])} of each element of {v['name']}"},
+                {"long_name": f"{', '.join(v.flat_from)} of each element of {v.name}"},
             )
-        for d, n in zip(v["dims"][:-2], own, strict=True):
+        for d, n in zip(v.dims[:-2], own, strict=True):
             if sizes.setdefault(d, n) != n:
                 raise ContractError(
                     f"dim {d!r} would have two sizes in the output ({sizes[d]} and {n})",
@@ -90,15 +110,15 @@ def _template(
                     fix="rename the model's dims (gridsolve_dims) so they do not clash with "
                     "the input's",
                 )
-        dims = nc_writer.file_dims(v, lead_dims)
+        dims = file_dims(v, lead_dims)
         shape = [sizes[d] for d in dims]
-        chunks = nc_writer.chunk_sizes(dims, shape, *yx, config)
+        chunks = chunk_sizes(dims, shape, *yx, config)
         fill = np.nan if data.dtype.kind == "f" else 0
         import dask.array as dsa
 
         lazy = dsa.full(shape, fill, dtype=data.dtype, chunks=chunks)  # type: ignore[no-untyped-call]
-        out[v["name"]] = (dims, lazy, v["attrs"])
-        out[v["name"]].encoding.update(
+        out[v.name] = (dims, lazy, v.attrs)
+        out[v.name].encoding.update(
             chunks=tuple(chunks), _FillValue=np.nan if data.dtype.kind == "f" else None
         )
     for name in list(out.variables):
@@ -111,7 +131,7 @@ def _template(
 
 def _write_tiles(
     group: zarr.Group,
-    variables: list[dict[str, Any]],
+    variables: list[OutputVariable],
     tiled: Mapping[str, TiledArtifact],
     plan: list[Any],
     meta: Mapping[str, Any],
@@ -126,11 +146,11 @@ def _write_tiles(
     yx = (meta["y_dim"], meta["x_dim"])
     lead_dims = list(meta.get("lead_dims") or [])
 
-    def write(v: Mapping[str, Any], arts: Mapping[str, Artifact], at: tuple[Any, ...]) -> None:
-        data = nc_writer.tile_data(arts, v)
-        if "flat_from" in v:
+    def write(v: OutputVariable, arts: Mapping[str, Artifact], at: tuple[Any, ...]) -> None:
+        data = v.data(arts)
+        if v.flat_from is not None:
             data = data.reshape(-1, *data.shape[-2:])
-        array = arrays[v["name"]]
+        array = arrays[v.name]
         assert isinstance(array, zarr.Array)
         array[at] = data
 
@@ -141,7 +161,7 @@ def _write_tiles(
         ThreadPoolExecutor(max_workers=min(8, len(variables))) as pool,
     ):
         # Opened inside the setting: zarr reads write_empty_chunks when an array is opened.
-        arrays = {v["name"]: group[v["name"]] for v in variables}
+        arrays = {v.name: group[v.name] for v in variables}
         for i, tile in enumerate(plan):
             arts = {kind: art.tiles[i][1] for kind, art in tiled.items()}
             window = plane_window(meta, tile)
@@ -156,19 +176,19 @@ def write_zarr(
     design: Artifact,
     tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
-    train: Artifact | None = None,
+    extras: Sequence[Extension] = (),
 ) -> Path | str:
     """Write the output store (complete, then renamed into place) and return its path."""
     if remote.is_url(config.path):
-        return _write_to_url(config, load, design, tiled, attrs, train)
-    final = nc_writer.check_output_path(config.path, config.overwrite, folder=True, stage=STAGE)
+        return _write_to_url(config, load, design, tiled, attrs, extras)
+    final = check_output_path(config.path, config.overwrite, folder=True, stage=STAGE)
     sweep_dead_temporaries(final)
-    nc_writer.tile_plan(tiled)
+    tile_plan(tiled)
     try:
         with atomic_folder(final) as tmp:
-            _fill(str(tmp), None, config, load, design, tiled, attrs, train)
-        if train is not None:
-            nc_writer.write_weights(train, final)
+            _fill(str(tmp), None, config, load, design, tiled, attrs, extras)
+        for suffix, write in side_files(extras).items():
+            write(Path(f"{final}{suffix}"))
     except GridsolveError:
         raise
     except (OSError, RuntimeError) as exc:
@@ -189,14 +209,14 @@ def _fill(
     design: Artifact,
     tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
-    train: Artifact | None,
+    extras: Sequence[Extension],
 ) -> None:
     """Metadata, then every tile's chunks, then the consolidated metadata (last) into ``store``."""
-    variables = nc_writer.output_variables(load, design, tiled, config.layout)
-    plan = nc_writer.tile_plan(tiled)
-    base = nc_writer.skeleton(load, design, attrs)
-    if train is not None:
-        nc_writer.add_training(base, train, load)
+    variables = output_variables(load, design, tiled, config.layout)
+    plan = tile_plan(tiled)
+    base = skeleton(load, design, attrs)
+    for extra in extras:
+        extra.add(base)
     first = {kind: art.tiles[0][1] for kind, art in tiled.items()}
     template = _template(config, load, variables, first, base)
     so = remote.storage_options(options) if options is not None else None
@@ -223,7 +243,7 @@ def _write_to_url(
     design: Artifact,
     tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
-    train: Artifact | None,
+    extras: Sequence[Extension],
 ) -> str:
     """Write the store straight into the bucket; ``.zmetadata`` goes first out and last in.
 
@@ -233,12 +253,11 @@ def _write_to_url(
     new one's ``.zmetadata`` lands, last. A failure deletes what was written.
     """
     options = config.storage_options
-    url = nc_writer.check_output_url(
-        config.path, config.overwrite, options, folder=True, stage=STAGE
-    )
-    nc_writer.tile_plan(tiled)  # before the old store is touched
-    weights = f"{url}.weights.safetensors"
-    beside = [weights, f"{url}.quicklook.png", f"{url}.loss.png"]  # describe the old store
+    url = check_output_url(config.path, config.overwrite, options, folder=True, stage=STAGE)
+    tile_plan(tiled)  # before the old store is touched
+    sides = side_files(extras)
+    # what describes the old store goes with it
+    beside = [f"{url}{suffix}" for suffix in dict.fromkeys((*BESIDE_SUFFIXES, *sides))]
     with remote.translated(url, "output", OutputError, STAGE, options):
         remote.remove(f"{url}/.zmetadata", options)
         remote.remove(url, options)
@@ -248,13 +267,16 @@ def _write_to_url(
         # writer leaves is replaced by the next run rather than refused as someone's data.
         remote.filesystem(url, options).pipe_file(f"{url}/{WRITING}", b"gridsolve")
         try:
-            _fill(url, options, config, load, design, tiled, attrs, train)
-            if train is not None:
-                staging = Path(tempfile.mkdtemp(prefix="write-", dir=nc_writer.staging_root()))
+            _fill(url, options, config, load, design, tiled, attrs, extras)
+            if sides:
+                staging = Path(tempfile.mkdtemp(prefix="write-", dir=staging_root()))
                 try:
                     store_name = staging / url.rsplit("/", 1)[-1]
-                    nc_writer.write_weights(train, store_name)
-                    remote.upload(nc_writer.weights_path(store_name), weights, options, "weights")
+                    for suffix, write in sides.items():
+                        write(Path(f"{store_name}{suffix}"))
+                        remote.upload(
+                            Path(f"{store_name}{suffix}"), f"{url}{suffix}", options, "side file"
+                        )
                 finally:
                     shutil.rmtree(staging, ignore_errors=True)
             remote.remove(f"{url}/{WRITING}", options)
@@ -262,7 +284,8 @@ def _write_to_url(
             with contextlib.suppress(Exception):
                 remote.remove(f"{url}/.zmetadata", options)
                 remote.remove(url, options)
-                remote.remove(weights, options)
+                for suffix in sides:
+                    remote.remove(f"{url}{suffix}", options)
             raise
     return url
 
@@ -291,40 +314,40 @@ def _store_facts(path: Path) -> dict[str, Any]:
 
 
 def still_valid(meta: Mapping[str, Any]) -> bool:
-    """Whether the store (and the trained weights) a stored write artifact describes are intact."""
+    """Whether the store (and its side files) a stored write artifact describes are intact."""
     if remote.is_url(meta["path"]):
         try:
             if _url_facts(meta["path"], meta.get("storage_options") or {}) != dict(
-                {k: v for k, v in meta.items() if k != "weights"}
+                {k: v for k, v in meta.items() if k != "side_files"}
             ):
                 return False
         except Exception:  # gone or unreachable: write it again
             return False
-        return "weights" not in meta or nc_writer.still_valid(meta["weights"])
+        return sides_unchanged(meta)
     p = Path(meta["path"])
     try:
         if not p.is_dir() or _store_facts(p) != {k: meta[k] for k in ("path", "size", "xxh3")}:
             return False
     except OSError:
         return False
-    return "weights" not in meta or nc_writer.still_valid(meta["weights"])
+    return sides_unchanged(meta)
 
 
 def run(config: ZarrWrite, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
     """Write the output Zarr store; the stored artifact records its size and checksum."""
-    attrs = nc_writer.run_attrs(config, inputs, ctx)
+    attrs = run_attrs(config, inputs, ctx)
     tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
-    path = write_zarr(config, inputs["load"], inputs["design"], tiled, attrs, inputs.get("train"))
+    extras = extensions(inputs)
+    path = write_zarr(config, inputs["load"], inputs["design"], tiled, attrs, extras)
+    sides = side_files(extras)
     if isinstance(path, str):
         meta: dict[str, Any] = _url_facts(path, config.storage_options)
-        if "train" in inputs:
-            meta["weights"] = nc_writer.url_facts(
-                f"{path}.weights.safetensors", config.storage_options
-            )
+        if sides:
+            meta["side_files"] = {s: url_facts(f"{path}{s}", config.storage_options) for s in sides}
         return StageOutput(meta=meta)
     meta = _store_facts(path)
-    if "train" in inputs:
-        meta["weights"] = nc_writer.file_facts(nc_writer.weights_path(path))
+    if sides:
+        meta["side_files"] = {s: file_facts(Path(f"{path}{s}")) for s in sides}
     return StageOutput(meta=meta)
 
 
@@ -339,7 +362,8 @@ register(
         optional_inputs=("model", "train"),
         verify=still_valid,
         records_sources=True,
-        alignment=lambda cfg, grid: nc_writer.chunk_alignment(cfg, grid["y_dim"], grid["x_dim"]),
+        writes_outputs=True,
+        alignment=lambda cfg, grid: chunk_alignment(cfg, grid["y_dim"], grid["x_dim"]),
         summary="a Zarr store, complete before it appears",
     )
 )

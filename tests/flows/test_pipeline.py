@@ -12,6 +12,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from gridsolve.flows.pipeline import RunSummary, cache_label, run_config
+from gridsolve.schemas.kinds.write import NetCDFWrite, ZarrWrite
 from gridsolve.schemas.pipeline import build_config
 
 from testkit import CONTRACT, make_ds
@@ -147,6 +148,45 @@ def test_plugin_tiled_solve_runs_through_the_flow(tmp_path: Path, write_cube: An
     ok = np.isfinite(data[:, 2, 3])
     expected = np.linalg.lstsq(A[ok], data[ok, 2, 3], rcond=None)[0]
     np.testing.assert_allclose(coef[:, 2, 3], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["netcdf", "zarr"])
+def test_a_plugin_describes_the_variables_it_adds_and_both_writers_write_them(
+    tmp_path: Path, write_cube: Any, fmt: str
+) -> None:
+    # my_solve makes a `rank` array the solve kind does not have and declares its output
+    # variable (StageDecl.variables); no writer names it
+    import my_solve
+
+    my_solve.install()
+    try:
+        cube = write_cube(make_ds(nan_fraction=0.1))
+        out_path = tmp_path / ("out.zarr" if fmt == "zarr" else "out.nc")
+        cfg = config(tmp_path, cube, execution={"tile_pixels": 12})
+        cfg = cfg.model_copy(
+            update={
+                "solve": my_solve.NumpyLstsqSolve(),
+                "write": (NetCDFWrite if fmt == "netcdf" else ZarrWrite)(
+                    path=str(out_path), chunks={"y": 3, "x": 5}
+                ),
+            }
+        )
+        summary = run_config(cfg)
+    finally:
+        my_solve.uninstall()
+    opened = xr.open_zarr(summary.output) if fmt == "zarr" else xr.open_dataset(summary.output)
+    with opened as out, xr.open_dataset(cube) as src:
+        rank, A, data = out["solve_rank"], out["design"].values, src["signal"].values
+        assert rank.dims == ("y", "x")
+        assert rank.attrs["long_name"] == "numerical rank of the pixel's valid rows of the design"
+        assert rank.attrs["units"] == "1"
+        expected = [
+            [np.linalg.matrix_rank(A[np.isfinite(data[:, j, i])]) for i in range(data.shape[2])]
+            for j in range(data.shape[1])
+        ]
+        np.testing.assert_array_equal(rank.values, expected)
+        # the kind's own variables keep the kind's description
+        assert out["status"].attrs["long_name"] == "solve status"
 
 
 def test_servers_listen_on_loopback_only(prefect_server: Any) -> None:

@@ -45,6 +45,12 @@ def test_wheel_installs_only_the_gridsolve_top_level_name(tmp_path: Path) -> Non
     for top in ("flows", "stages", "schemas"):
         for init in (REPO / top).rglob("__init__.py"):
             assert f"gridsolve/{init.relative_to(REPO).as_posix()}" in names, init
+    # the C sources the solve kernels are built from on first use (an installed, not
+    # editable, gridsolve has no checkout to build them from)
+    from gridsolve.stages.solve.kernel import CODE_FILES
+
+    for f in CODE_FILES:
+        assert f"gridsolve/stages/solve/{f}" in names, f
 
 
 @pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier

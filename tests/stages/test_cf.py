@@ -27,7 +27,7 @@ from gridsolve.schemas.kinds.model import MultidimLinearModel
 from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.schemas.kinds.write import NetCDFWrite
-from gridsolve.stages.write.netcdf import per_unit
+from gridsolve.stages.engine.outputs import per_unit
 
 from testkit import Chain
 

@@ -23,7 +23,7 @@ from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.engine import versions
 from gridsolve.stages.engine.runner import whole_key
-from gridsolve.stages.write.netcdf import provenance
+from gridsolve.stages.write.layout import provenance
 
 from testkit import Chain, make_ds
 
@@ -287,3 +287,45 @@ def test_editing_a_helper_module_of_a_user_model_misses(
     helpers.write_text("def scale(x):\n    return 3.0 * x\n")
     assert _model_key(config, ctx) != key
     assert set(versions.module_digests([f"{name}.net"])) == {f"{name}.net", f"{name}.helpers"}
+
+
+def test_the_c_kernels_are_part_of_the_solve_code_digest() -> None:
+    import xxhash
+
+    from gridsolve.stages.solve import kernel
+
+    digests = versions.module_digests(["gridsolve.stages.solve.kernel"])
+    for f in kernel.CODE_FILES:
+        data = (Path(kernel.__file__).parent / f).read_bytes()
+        assert digests[f"gridsolve.stages.solve.kernel/{f}"] == xxhash.xxh3_128_hexdigest(data)
+
+
+def test_editing_a_code_file_a_module_names_changes_its_digest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pkg = tmp_path / f"cfiles_{uuid.uuid4().hex[:8]}"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text('CODE_FILES = ("k.c",)\n')
+    (pkg / "k.c").write_text("int f(void) { return 1; }\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = versions.code_digest([f"{pkg.name}.mod"])
+    assert versions.code_digest([f"{pkg.name}.mod"]) == before  # stable
+    (pkg / "k.c").write_text("int f(void) { return 2; }\n")  # the .py file is unchanged
+    assert versions.code_digest([f"{pkg.name}.mod"]) != before
+
+
+def test_a_writers_key_covers_how_its_inputs_describe_their_outputs() -> None:
+    from gridsolve.stages.engine.registry import get
+    from gridsolve.stages.engine.runner import code_roots
+
+    described = {
+        "gridsolve.stages.solve.outputs",
+        "gridsolve.stages.model.outputs",
+        "gridsolve.stages.train.outputs",
+    }
+    for impl in ("netcdf", "zarr"):
+        assert described <= code_roots(get("write", impl)), impl
+    # the kinds' own keys do not: a new attribute text rewrites files, not solves
+    for kind, impl in (("solve", "lstsq"), ("model", "multidim_linear")):
+        assert not described & code_roots(get(kind, impl)), kind

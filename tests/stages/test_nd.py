@@ -21,8 +21,8 @@ from gridsolve.schemas.errors import ContractError
 from gridsolve.schemas.kinds.load import NetCDFLoad
 from gridsolve.schemas.pipeline import build_config
 from gridsolve.stages.engine.agreement import disagreements
-from gridsolve.stages.engine.tiles import plan_tiles
-from gridsolve.stages.load.contract import grid_shape, pixel_name, plane_window
+from gridsolve.stages.engine.tiles import plan_tiles, plane_window
+from gridsolve.stages.load.contract import grid_shape, pixel_name
 from gridsolve.stages.load.netcdf import run as load_run
 
 from testkit import run_plan

@@ -216,6 +216,25 @@ def test_imports_go_one_way_and_form_no_cycle() -> None:
             visit(m, [])
 
 
+def test_the_writers_know_no_kind() -> None:
+    # Each kind describes its own output variables (KindContract.variables): the writers
+    # import no kind's package, and the Zarr writer does not build on the NetCDF one.
+    from gridsolve.schemas.pipeline import STAGE_KINDS
+
+    graph = _imports_of("stages")
+    kinds = {f"gridsolve.stages.{k}" for k in STAGE_KINDS if k != "write"}
+    offenders = [
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        if m.startswith("gridsolve.stages.write")
+        for d in deps
+        if any(d == k or d.startswith(f"{k}.") for k in kinds)
+    ]
+    assert not offenders, "\n".join(offenders)
+    assert "gridsolve.stages.write.netcdf" not in graph["gridsolve.stages.write.zarr"]
+    assert kinds, "the kinds are listed"
+
+
 def test_the_flow_takes_one_parameter_per_config_section() -> None:
     # Prefect builds the UI form (and prefect deploy the schema) from the flow's own
     # signature, read from its source: a new kind's field must appear there too.

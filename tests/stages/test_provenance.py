@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 from gridsolve.flows import quicklook
 from gridsolve.stages.engine.provenance import is_gridsolve_side_file, png_text
 from gridsolve.stages.engine.store import Artifact
-from gridsolve.stages.write.netcdf import weights_path, write_weights
+from gridsolve.stages.train.outputs import weights_path, write_weights
 
 
 class _Trained:
@@ -24,7 +24,7 @@ class _Trained:
 
 def test_the_weights_gridsolve_writes_are_marked(tmp_path: Path) -> None:
     out = tmp_path / "out.nc"
-    write_weights(cast(Artifact, _Trained()), out)
+    write_weights(cast(Artifact, _Trained()), weights_path(out))
     assert is_gridsolve_side_file(weights_path(out))
 
 

@@ -13,7 +13,8 @@ import statsmodels.api as sm
 from gridsolve.schemas.contracts import STATUS_CODES
 from gridsolve.schemas.kinds.design import PolynomialDesign, RandomDesign
 from gridsolve.schemas.kinds.solve import LstsqSolve
-from gridsolve.stages.solve.lstsq import make_operator, p_values, solve_block, t_values
+from gridsolve.stages.solve.lstsq import make_operator, solve_block
+from gridsolve.stages.solve.outputs import p_values, t_values
 
 from testkit import Chain, make_ds
 
@@ -478,7 +479,7 @@ def test_written_with_cf_attributes_and_tiles_agree(
     from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
     from gridsolve.schemas.kinds.write import NetCDFWrite
     from gridsolve.stages.engine.agreement import disagreements
-    from gridsolve.stages.solve.lstsq import UNCERTAINTY_FLAGS
+    from gridsolve.stages.solve.outputs import UNCERTAINTY_FLAGS
 
     from testkit import CONTRACT
 

@@ -1,0 +1,81 @@
+"""The variables the ``model`` kind writes: prediction, status, per-sample gradients, Jacobians.
+
+Declared once here (``KindContract.variables``); the gradient and Jacobian
+variables follow the model's parameters (its prepared metadata). No torch:
+writing a cached run imports none.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gridsolve.schemas.contracts import MODEL_STATUS_FLAGS
+from gridsolve.stages.engine.outputs import OutputContext, OutputVariable
+
+
+def variables(ctx: OutputContext) -> list[OutputVariable]:
+    """Every variable the model writes (those of optional arrays the run did not make too)."""
+    m = ctx.own.meta
+    # a model that makes no gradients need not say what they are of
+    obj = (
+        "sum of outputs" if m.get("objective") == "sum" else "mean squared error against the target"
+    )
+    model_flags = sorted(MODEL_STATUS_FLAGS)
+    out = [
+        OutputVariable(
+            "prediction",
+            "model",
+            "prediction",
+            ("output", "y", "x"),
+            # the model declares no units
+            {"long_name": "model output per pixel", "units": "1"},
+        ),
+        OutputVariable(
+            "model_status",
+            "model",
+            "model_status",
+            ("y", "x"),
+            {
+                "long_name": "model stage status",
+                "flag_values": np.array(model_flags, dtype=np.int8),
+                "flag_meanings": " ".join(MODEL_STATUS_FLAGS[k] for k in model_flags),
+            },
+        ),
+    ]
+    for kind, label in (
+        ("grad", "per-sample gradient"),
+        ("jac", "per-sample Jacobian of the outputs"),
+    ):
+        lead = ("output",) if kind == "jac" else ()
+        of = f" of the {obj}" if kind == "grad" else ""
+        for name, dims in (m.get("param_dims") or {}).items():
+            # A parameter dim named like the Jacobian's own (the bias's "output")
+            # gets a name of its own: one dim may not appear twice in a variable.
+            dims = tuple(f"{d}_wrt" if d in lead else d for d in dims)
+            out.append(
+                OutputVariable(
+                    f"{kind}_{name.replace('.', '_')}",
+                    "model",
+                    f"{kind}:{name}",
+                    (*lead, *dims, "y", "x"),
+                    {
+                        "long_name": f"{label} with respect to parameter {name}{of}",
+                        "units": "1",
+                    },
+                )
+            )
+        if "input_dims" not in m:
+            continue
+        out.append(
+            OutputVariable(
+                f"{kind}_input",
+                "model",
+                f"{kind}:input",
+                (*lead, *m["input_dims"], "y", "x"),
+                {
+                    "long_name": f"{label} with respect to the input (the coefficients){of}",
+                    "units": "1",
+                },
+            )
+        )
+    return out

@@ -1,0 +1,343 @@
+"""The variables the ``solve`` kind writes, with their CF attributes, and its derived data.
+
+Declared once here (``KindContract.variables``) and written by whichever writer
+the run uses: the coefficients and diagnostics, the uncertainty where the run
+asked for it (t-statistics and p-values are derived from the stored standard
+errors tile by tile, see :func:`t_values` and :func:`p_values`), and what the
+design makes meaningful (a trend per obs unit, amplitude and peak time of
+harmonics). A table of CF attributes per variable, hence its length. No torch:
+writing a cached run imports none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from gridsolve.schemas.contracts import STATUS_CODES, STATUS_FLAGS
+from gridsolve.stages.engine.outputs import (
+    OutputContext,
+    OutputVariable,
+    per_unit,
+    squared_unit,
+    uniform_unit,
+)
+from gridsolve.stages.engine.store import Artifact, TiledArtifact
+
+#: Bits of the ``uncertainty_flags`` variable.
+UNCERTAINTY_FLAGS = {
+    1: "rank_deficient",  # some coefficients are not identifiable: their stderr, t, p are NaN
+    2: "no_residual_dof",  # dof ≤ 0: the residual variance, hence the scaled stderr, is undefined
+    4: "not_solved",  # the coefficients are NaN (see status)
+}
+
+
+def t_values(coefficients: np.ndarray, stderr: np.ndarray) -> np.ndarray:
+    """t-statistics (coefficient / standard error) of stored results, in ``stderr``'s dtype.
+
+    NaN where the standard error is NaN (not identifiable, not solved); computed
+    in float64, so float32 outputs round once.
+    """
+    with np.errstate(all="ignore"):
+        t = np.asarray(coefficients, dtype=np.float64) / np.asarray(stderr, dtype=np.float64)
+    out: np.ndarray = t.astype(np.asarray(stderr).dtype, copy=False)
+    return out
+
+
+def p_values(t: np.ndarray, dof: np.ndarray, scaled: bool = True) -> np.ndarray:
+    """Two-sided p-values of t-statistics ``t`` (coef, …) with ``dof`` (…), in float64.
+
+    Student t with ``dof`` degrees of freedom (NaN where dof ≤ 0); ``scaled``
+    False (``cov_scale: unscaled``): the standard normal. Float64 whatever ``t``'s
+    dtype: float32 underflows p-values below 1.2e-38 (highly significant trends) to 0.
+    """
+    import scipy.special  # here: a run without uncertainty never needs it
+
+    t64 = np.asarray(t, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        if scaled:
+            d = np.asarray(dof, dtype=np.float64)
+            # scipy.stats.t.sf(x, dof) is scipy.special.stdtr(dof, −x): called directly,
+            # it skips the distribution's argument checks (2.5× faster on many values).
+            p = 2.0 * scipy.special.stdtr(np.where(d > 0, d, np.nan), -np.abs(t64))
+        else:
+            p = 2.0 * scipy.special.ndtr(-np.abs(t64))
+    out: np.ndarray = p
+    return out
+
+
+def variables(ctx: OutputContext) -> list[OutputVariable]:
+    """Every variable the solve writes (those of optional arrays the run did not make too)."""
+    units = ctx.data_units
+    coef_units = ctx.coefficient_units()
+    uniform = uniform_unit(coef_units)
+    # the shared design's undetermined coefficients (see _undetermined_nan)
+    shared = [int(j) for j in ctx.own.meta.get("undetermined_columns") or ()]
+    flags = sorted(STATUS_FLAGS)
+    out = [
+        OutputVariable(
+            "coefficients",
+            "solve",
+            "coefficients",
+            ("coef", "y", "x"),
+            {
+                "long_name": "least-squares coefficients of the design columns",
+                **({"units": uniform} if uniform is not None else {}),
+            },
+        ),
+        OutputVariable(
+            "residual_rms",
+            "solve",
+            "residual_rms",
+            ("y", "x"),
+            {
+                "long_name": "root mean square of the residuals over valid observations",
+                **({"units": units} if units else {}),
+            },
+        ),
+        OutputVariable(
+            "n_valid",
+            "solve",
+            "n_valid",
+            ("y", "x"),
+            {"long_name": "number of valid observations", "units": "1"},
+        ),
+        OutputVariable(
+            "status",
+            "solve",
+            "status",
+            ("y", "x"),
+            {
+                "long_name": "solve status",
+                "flag_values": np.array(flags, dtype=np.int8),
+                "flag_meanings": " ".join(STATUS_FLAGS[k] for k in flags),
+            },
+        ),
+        *_uncertainty_variables(ctx.own, uniform),
+        *_trend_variables(ctx.design, units, shared),
+        *_harmonic_variables(ctx.design, units, shared),
+    ]
+    return out
+
+
+def _uncertainty_variables(solve: TiledArtifact, uniform: str | None) -> list[OutputVariable]:
+    """The per-pixel uncertainty variables, where the solve made them (solve.uncertainty)."""
+    first = solve.tiles[0][1] if solve.tiles else None
+    if first is None or "coef_stderr" not in first:
+        return []
+
+    def t_of(solved: Artifact) -> np.ndarray:
+        return t_values(solved.array("coefficients"), solved.array("coef_stderr"))
+
+    scaled = solve.meta.get("cov_scale", "residual") == "residual"
+    how = (
+        "scaled by the residual variance sum(w*r^2)/dof"
+        if scaled
+        else "unscaled (weights taken as 1/variance of known errors)"
+    )
+    dist = "Student t with dof degrees of freedom" if scaled else "standard normal"
+    out = [
+        OutputVariable(
+            "coef_stderr",
+            "solve",
+            "coef_stderr",
+            ("coef", "y", "x"),
+            {
+                "long_name": "standard error of the least-squares coefficients",
+                "comment": f"covariance {how}; NaN where a coefficient is not identifiable",
+                **({"units": uniform} if uniform is not None else {}),
+            },
+        ),
+        OutputVariable(
+            "t_value",
+            "solve",
+            "coef_stderr",  # its shape and dtype
+            ("coef", "y", "x"),
+            {"long_name": "t-statistic of the coefficients (coefficient / stderr)", "units": "1"},
+            derive=lambda arts: t_of(arts["solve"]),
+        ),
+        OutputVariable(
+            "p_value",
+            "solve",
+            "coef_stderr",  # its shape (float64: float32 underflows small p)
+            ("coef", "y", "x"),
+            {
+                "long_name": "two-sided p-value of the coefficients being zero",
+                "comment": f"from the {dist} distribution",
+                "units": "1",
+            },
+            derive=lambda arts: p_values(t_of(arts["solve"]), arts["solve"].array("dof"), scaled),
+        ),
+        OutputVariable(
+            "dof",
+            "solve",
+            "dof",
+            ("y", "x"),
+            {
+                "long_name": "residual degrees of freedom",
+                "comment": "valid observations minus the effective rank (trace of the hat "
+                "matrix under ridge)",
+                "units": "1",
+            },
+        ),
+        OutputVariable(
+            "r2",
+            "solve",
+            "r2",
+            ("y", "x"),
+            {
+                "long_name": "coefficient of determination",
+                "comment": "centred where the pixel's design spans a constant, else uncentred",
+                "units": "1",
+            },
+        ),
+        OutputVariable(
+            "uncertainty_flags",
+            "solve",
+            "uncertainty_flags",
+            ("y", "x"),
+            {
+                "long_name": "uncertainty flags",
+                "flag_masks": np.array(sorted(UNCERTAINTY_FLAGS), dtype=np.int8),
+                "flag_meanings": " ".join(UNCERTAINTY_FLAGS[k] for k in sorted(UNCERTAINTY_FLAGS)),
+            },
+        ),
+    ]
+    if "coef_cov" in first:
+        squared = squared_unit(uniform) if uniform is not None else None
+        out.insert(
+            1,
+            OutputVariable(
+                "coef_cov",
+                "solve",
+                "coef_cov",
+                ("coef", "coef2", "y", "x"),
+                {
+                    "long_name": "covariance of the least-squares coefficients",
+                    "comment": f"{how}; coef2 indexes the design columns as coef does",
+                    **({"units": squared} if squared is not None else {}),
+                },
+            ),
+        )
+    return out
+
+
+def _undetermined_nan(
+    values: np.ndarray,
+    arts: Mapping[str, Artifact],
+    shared: Sequence[int],
+    *columns: np.ndarray | int,
+) -> np.ndarray:
+    """``values`` NaN where the pixel's valid rows do not determine the ``columns``.
+
+    ``values`` (float64) has a value per ``columns`` entry and pixel. A tile with
+    gaps has the solve's ``undetermined`` (coef, y, x) mask where one of its pixels
+    is ``underdetermined``; in a gap-free tile every such pixel lacks the shared
+    design's ``shared`` columns (the solve's prepared meta).
+    """
+    solved = arts["solve"]
+    if "undetermined" in solved:
+        und = np.asarray(solved.array("undetermined")) != 0
+    elif shared:
+        status = np.asarray(solved.array("status"))
+        top = max(int(np.max(c)) for c in (shared, *columns)) + 1
+        und = np.zeros((top, *status.shape), dtype=bool)
+        und[list(shared)] = status == STATUS_CODES["underdetermined"]
+    else:
+        return values
+    hit = np.zeros(values.shape, dtype=bool)
+    for col in columns:
+        hit |= und[col]
+    return np.where(hit, np.nan, values)
+
+
+def _trend_variables(
+    design: Artifact, units: str | None, shared: list[int]
+) -> list[OutputVariable]:
+    """``trend``, where the design has a trend column: its coefficient per raw obs unit."""
+    trend = design.meta.get("trend")
+    if trend is None:
+        return []
+    col, scale = int(trend["column"]), float(trend["scale"])
+
+    def trend_of(arts: Mapping[str, Artifact]) -> np.ndarray:
+        a = arts["solve"].array("coefficients")
+        value = a[col].astype(np.float64) / scale
+        return _undetermined_nan(value, arts, shared, col).astype(a.dtype)
+
+    name = design.meta["columns"][col]
+    return [
+        OutputVariable(
+            "trend",
+            "solve",
+            "coefficients",
+            ("y", "x"),
+            {
+                "coefficient": str(name),
+                "long_name": f"linear trend: coefficient of column {name!r} per raw obs axis "
+                "unit (the column's coefficient divided by the design's t_scale)",
+                **({"units": u} if (u := per_unit(units, trend.get("per"))) else {}),
+            },
+            # NaN where the pixel's valid rows do not determine the trend column
+            derive=trend_of,
+        )
+    ]
+
+
+def _harmonic_variables(
+    design: Artifact, units: str | None, shared: Sequence[int] = ()
+) -> list[OutputVariable]:
+    """Amplitude and peak time of each harmonic of a harmonic design, from its cos/sin pair.
+
+    ``c cos w + s sin w = A cos(w - φ)`` with ``A = hypot(c, s)``, ``φ = atan2(s, c)``
+    and ``w = 2πk (v - t_centre) / period``: the maximum is at
+    ``v = t_centre + φ period / (2πk)``, given within one period of the harmonic.
+    """
+    harmonics = design.meta.get("harmonics") or []
+    if not harmonics:
+        return []
+    cos_i = np.array([h["cos"] for h in harmonics])
+    sin_i = np.array([h["sin"] for h in harmonics])
+    ks = np.array([h["k"] for h in harmonics], dtype=np.float64)[:, None, None]
+    period = float(design.meta["period"])
+    step = design.meta.get("axis_step")
+
+    def amplitude(arts: Mapping[str, Artifact]) -> np.ndarray:
+        a = arts["solve"].array("coefficients")
+        c, s = a[cos_i].astype(np.float64), a[sin_i].astype(np.float64)
+        out = _undetermined_nan(np.hypot(c, s), arts, shared, cos_i, sin_i)
+        return out.astype(a.dtype)
+
+    def peak(arts: Mapping[str, Artifact]) -> np.ndarray:
+        a = arts["solve"].array("coefficients")
+        c, s = a[cos_i].astype(np.float64), a[sin_i].astype(np.float64)
+        phi = np.mod(np.arctan2(s, c), 2 * np.pi)
+        out = _undetermined_nan(phi * period / (2 * np.pi * ks), arts, shared, cos_i, sin_i)
+        return out.astype(a.dtype)
+
+    return [
+        OutputVariable(
+            "amplitude",
+            "solve",
+            "coefficients",
+            ("harmonic", "y", "x"),
+            {
+                "long_name": "amplitude of each harmonic: hypot of its cos and sin coefficients",
+                **({"units": units} if units else {}),
+            },
+            derive=amplitude,
+        ),
+        OutputVariable(
+            "peak_offset",
+            "solve",
+            "coefficients",
+            ("harmonic", "y", "x"),
+            {
+                "long_name": "time of each harmonic's maximum after the design's t_centre, "
+                "within one period of the harmonic (period / harmonic)",
+                **({"units": step} if step else {}),
+            },
+            derive=peak,
+        ),
+    ]
