@@ -183,8 +183,11 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    """Create the work pool (if missing) and every deployment of prefect.yaml."""
+    """Create the work pool (if missing), every deployment of prefect.yaml, the automations."""
+    from gridsolve.flows.automations import install_automations, silent_seconds
+
     _need_api()
+    silent_seconds()  # a window that would crash live runs is refused before any change
     root = _project(args.project)
     env = _prefect_env()
     inspect = subprocess.run(
@@ -197,8 +200,6 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     deployed = _prefect_said(_prefect("--no-prompt", "deploy", "--all"), env, root)
     if deployed != 0:
         return deployed
-    from gridsolve.flows.automations import install_automations
-
     for name in install_automations():
         print(f"automation: {name}")
     return 0

@@ -35,6 +35,11 @@ os.environ["PYTHONUNBUFFERED"] = "1"
 # busy) for a minute; clients here and in the CLI/worker children retry longer.
 os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "8")
 os.environ.setdefault("PREFECT_SERVER_LOG_RETRYABLE_ERRORS", "true")
+# Flow runs send a heartbeat every 30 s (Prefect's least), and `gridsolve deploy` makes
+# the silent-run automation crash a run after 120 s without one: a run whose machine
+# dies is marked Crashed within a test's patience (tests/flows/test_crash_retry.py).
+os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = "30"
+os.environ["GRIDSOLVE_SILENT_RUN_SECONDS"] = "120"
 
 import gridsolve.stages  # noqa: E402, F401  (registers the built-in implementations)
 
@@ -203,6 +208,7 @@ def deployments(prefect_server: LocalServer) -> dict[str, str]:
     assert "prefect worker start" not in res.stdout + res.stderr
     assert "gridsolve worker --pool gridsolve-process" in res.stdout  # the pool was created
     assert "automation: gridsolve: retry a crashed nightly run once" in res.stdout
+    assert "automation: gridsolve: mark a run that stopped sending heartbeats crashed" in res.stdout
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:

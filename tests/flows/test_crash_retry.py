@@ -121,3 +121,79 @@ def test_a_killed_nightly_run_is_retried_once_and_reuses_its_tiles(tmp_path: Pat
         ok = np.isfinite(y[:, i, j])
         ref = np.linalg.lstsq(A[ok], y[ok, i, j], rcond=None)[0]
         np.testing.assert_allclose(coef[:, i, j], ref, rtol=1e-3, atol=1e-4)
+
+
+def test_a_run_whose_machine_dies_is_marked_crashed(tmp_path: Path) -> None:
+    # The whole "machine" of a run is killed at once (its process group: no worker, no
+    # engine left to report anything). Its heartbeats stop, and the silent-run
+    # automation marks it Crashed (the conftest sets 30-s heartbeats, a 120-s window).
+    import subprocess
+    import sys
+
+    import yaml
+
+    from gridsolve.flows.automations import CRASH_SILENT
+
+    with get_client(sync_client=True) as client:
+        assert client.read_automations_by_name(CRASH_SILENT), "gridsolve deploy installs it"
+    cube = tmp_path / "cube.nc"
+    make_ds(n_obs=30, ny=128, nx=128, nan_fraction=0.1, dtype="float32").to_netcdf(cube)
+    cache, out = tmp_path / "cache", tmp_path / "lost.nc"
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "load": {"impl": "netcdf", "path": str(cube)},
+                "design": {"impl": "harmonic", "harmonics": 1},
+                "write": {"impl": "netcdf", "path": str(out)},
+                "cache": {"root": str(cache)},
+                "execution": {"tile_pixels": 512},
+            }
+        )
+    )
+    gridsolve = str(Path(sys.executable).parent / "gridsolve")
+    proc = subprocess.Popen(
+        [gridsolve, "run", str(cfg)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and tiles_stored(cache, "solve") < 2:
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.05)
+        run_id = running_run_writing(out)
+        assert run_id is not None, "the run is not Running on the server"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed = time.monotonic()
+
+    deadline = killed + 120 + 30 + 120  # window + one heartbeat interval + the services' pace
+    state = flow_run(run_id).state
+    while time.monotonic() < deadline and not (state is not None and state.is_final()):
+        time.sleep(2)
+        state = flow_run(run_id).state
+    assert state is not None and state.is_crashed(), state
+    assert "no heartbeat" in (state.message or ""), state.message
+    assert not out.exists()  # nothing half-written under the output's name
+
+
+def running_run_writing(out: Path) -> UUID | None:
+    """The Running flow run whose config writes ``out``."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    running = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(state=running))
+    for r in runs:
+        if (r.parameters.get("write") or {}).get("path") == str(out):
+            found: UUID = r.id
+            return found
+    return None
