@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -237,7 +238,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # (one read of the pool's queues) and keep trigger → Completed of a cached run
     # under 4 s (benchmarks/bench_pipeline.py --case overhead).
     env.setdefault("PREFECT_WORKER_QUERY_SECONDS", str(WORKER_QUERY_SECONDS))
-    return supervise(_prefect("worker", "start", "--pool", args.pool), env)
+    # Prefect's worker does not end on SIGTERM (a clean stop ends with the SIGKILL after
+    # the grace): if this supervisor is killed outright, the worker is killed too, or it
+    # would stay online, taking runs, beside the one a restart starts.
+    return supervise(
+        _prefect("worker", "start", "--pool", args.pool), env, death_signal=signal.SIGKILL
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

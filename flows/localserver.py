@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -54,25 +55,37 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent dies (Linux), even by SIGKILL."""
-    try:
-        import ctypes
+def _die_with_parent(signum: int) -> Callable[[], None]:
+    """A pre-exec hook: the child gets ``signum`` when its parent dies (Linux), even by SIGKILL."""
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the signal handlers below still stop the children
+    def hook() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass  # not Linux: the signal handlers below still stop the children
+
+    return hook
 
 
-def supervise(command: list[str], env: dict[str, str], grace: float = 5.0) -> int:
+def supervise(
+    command: list[str],
+    env: dict[str, str],
+    grace: float = 5.0,
+    death_signal: int = signal.SIGTERM,
+) -> int:
     """Run ``command`` in its own process group until it exits, and stop all of it with us.
 
     SIGTERM, SIGINT or SIGHUP to this process sends SIGTERM to the child's whole
-    group, then SIGKILL to what is left after ``grace`` seconds; the child also
-    gets SIGTERM if this process is killed outright. Returns the child's exit
-    status, or 128 + the signal that stopped us.
+    group, then SIGKILL to what is left after ``grace`` seconds; the child gets
+    ``death_signal`` if this process is killed outright (SIGKILL for a child that
+    does not end on SIGTERM: nobody is left to send the SIGKILL after the grace).
+    Returns the child's exit status, or 128 + the signal that stopped us.
     """
-    proc = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        command, env=env, start_new_session=True, preexec_fn=_die_with_parent(death_signal)
+    )
     stopped: list[tuple[int, float]] = []  # (signal, when) of the first stop signal
 
     def stop(signum: int, _frame: object) -> None:

@@ -1,10 +1,20 @@
-"""The local server's port check (flows/localserver.py)."""
+"""The local server's port check and the supervisors (flows/localserver.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
-from gridsolve.flows.localserver import port_in_use
+import pytest
+
+from gridsolve.flows.localserver import free_port, port_in_use
 
 
 def test_a_port_left_in_time_wait_by_a_stopped_server_is_free() -> None:
@@ -29,3 +39,79 @@ def test_a_listening_port_is_in_use() -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         assert port_in_use("127.0.0.1", busy.getsockname()[1])
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            # the fields after the command's closing parenthesis: state, ppid, …
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == pid and state != "Z":
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow  # a Prefect server and worker start: ≥ 5 s
+@pytest.mark.parametrize("what", ["server", "worker"])
+def test_a_supervisor_killed_outright_takes_its_prefect_process_down(
+    what: str, tmp_path: Path, deployments: Any
+) -> None:
+    # `gridsolve worker` needs the session's server and pool (deployments); `gridsolve
+    # server` runs one of its own on a free port. SIGKILL of the supervisor leaves no
+    # Prefect process behind: a worker left online would take runs beside a restarted one.
+    gridsolve = str(Path(sys.executable).parent / "gridsolve")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home")}
+    cmd = (
+        [gridsolve, "worker"]
+        if what == "worker"
+        else [gridsolve, "server", "--port", str(free_port())]
+    )
+    children: list[int] = []
+    log = tmp_path / f"{what}.log"
+    ready = "started!" if what == "worker" else "Check out the dashboard"
+    with open(log, "wb") as out:
+        # SIGINT ignored, as a shell's `gridsolve worker &` starts it (the ignore is
+        # inherited): Prefect's worker then outlives SIGTERM, which it turns into SIGINT
+        supervisor = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and ready not in log.read_text(errors="replace"):
+            assert supervisor.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.2)
+        assert ready in log.read_text(errors="replace"), log.read_text()[-2000:]
+        children = _children(supervisor.pid)
+        assert children, f"gridsolve {what} started no Prefect process"
+        supervisor.kill()
+        supervisor.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(map(_alive, children)):
+            time.sleep(0.2)
+        left = [c for c in children if _alive(c)]
+        assert not left, f"gridsolve {what} killed, its Prefect process {left} lives on"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(supervisor.pid, signal.SIGKILL)
+        for c in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c, signal.SIGKILL)
