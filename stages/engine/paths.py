@@ -1,9 +1,12 @@
 """Where gridsolve may write, and files written atomically through temporaries.
 
 A worker that runs flows triggered by other people (a Prefect UI "Custom run")
-can pin where runs may write: ``GRIDSOLVE_ALLOWED_ROOTS`` (folders separated
+pins where runs may write: ``GRIDSOLVE_ALLOWED_ROOTS`` (folders separated
 by ``:``). Output files and cache folders must then resolve — after ``..`` and
-symbolic links — inside one of them. Unset, any writable path is allowed.
+symbolic links — inside one of them. Unset, any writable path is allowed;
+``gridsolve worker`` and ``gridsolve serve`` set it, and the input, URL and
+module allowances, to :func:`confinement_defaults` unless the operator set them
+or passed ``--unconfined`` (``*``: anywhere).
 
 Wherever it may write, a run never writes over what it reads:
 :func:`refuse_destructive_outputs` compares its outputs with its inputs, the
@@ -39,9 +42,15 @@ ALLOWED_ROOTS_ENV = "GRIDSOLVE_ALLOWED_ROOTS"
 ALLOWED_URLS_ENV = "GRIDSOLVE_ALLOWED_URLS"
 
 
+#: The value of a ``GRIDSOLVE_ALLOWED_*`` variable that confines nothing.
+ANYWHERE = "*"
+
+
 def allowed_roots() -> list[Path]:
     """The folders writes are confined to (empty: no restriction)."""
     raw = os.environ.get(ALLOWED_ROOTS_ENV, "")
+    if raw.strip() == ANYWHERE:
+        return []
     return [Path(p).expanduser().resolve() for p in raw.split(os.pathsep) if p.strip()]
 
 
@@ -74,7 +83,7 @@ def ensure_allowed_url(url: str, what: str, stage: str | None = None) -> str:
     if not allowed_roots():
         return url
     prefixes = [p.rstrip("/") for p in os.environ.get(ALLOWED_URLS_ENV, "").split() if p]
-    if not under_prefix(url, prefixes):
+    if ANYWHERE not in prefixes and not under_prefix(url, prefixes):
         raise OutputError(
             f"{what} {url} is outside the places this worker may write to",
             stage=stage,
@@ -94,7 +103,46 @@ ALLOWED_MODULES_ENV = "GRIDSOLVE_ALLOWED_MODULES"
 
 
 def _listed(env: str) -> list[str]:
-    return [p for p in os.environ.get(env, "").split() if p]
+    """The entries of ``env`` (empty: no restriction, as is ``*``)."""
+    listed = [p for p in os.environ.get(env, "").split() if p]
+    return [] if ANYWHERE in listed else listed
+
+
+def confinement_defaults(home: Path, unconfined: bool = False) -> dict[str, str]:
+    """What a worker's runs are confined to where its operator set nothing.
+
+    Runs triggered by others (a UI "Custom run") read inputs under ``home/data``,
+    write outputs and caches under ``home``, and import models from gridsolve's
+    own package only; no object-store URL is allowed. ``unconfined``: none of it.
+    """
+    if unconfined:
+        return dict.fromkeys(
+            (ALLOWED_ROOTS_ENV, ALLOWED_URLS_ENV, ALLOWED_INPUTS_ENV, ALLOWED_MODULES_ENV),
+            ANYWHERE,
+        )
+    return {
+        ALLOWED_ROOTS_ENV: str(home),
+        ALLOWED_URLS_ENV: "",
+        ALLOWED_INPUTS_ENV: str(home / "data"),
+        ALLOWED_MODULES_ENV: "gridsolve",
+    }
+
+
+def confine(env: dict[str, str], home: Path, unconfined: bool = False) -> str:
+    """Fill ``env``'s unset ``GRIDSOLVE_ALLOWED_*`` with the defaults; a line saying the result."""
+    for name, value in confinement_defaults(home, unconfined).items():
+        if name not in env:
+            env[name] = value
+
+    def shown(name: str) -> str:
+        value = env[name].strip()
+        return "anywhere" if value == ANYWHERE else (value or "nowhere")
+
+    return (
+        f"runs read inputs from {shown(ALLOWED_INPUTS_ENV)}, write under "
+        f"{shown(ALLOWED_ROOTS_ENV)} (buckets: {shown(ALLOWED_URLS_ENV)}), import models from "
+        f"{shown(ALLOWED_MODULES_ENV)} (GRIDSOLVE_ALLOWED_*; --unconfined lifts the defaults)"
+    )
 
 
 def ensure_input_allowed(path: str, what: str, stage: str | None = None) -> None:

@@ -122,7 +122,7 @@ def test_basic_auth_refuses_strangers_and_runs_the_team_deployment(tmp_path: Pat
         log = tmp_path / "worker.log"
         with open(log, "wb") as f:
             worker = subprocess.Popen(
-                [GRIDSOLVE, "worker"],
+                [GRIDSOLVE, "worker", "--unconfined"],  # the test's files are in tmp_path
                 env=team,
                 stdout=f,
                 stderr=subprocess.STDOUT,

@@ -92,6 +92,32 @@ def test_server_rejects_a_negative_ridge_before_the_run(tmp_path: Path, write_cu
     )
 
 
+def test_the_server_refuses_a_credential_before_the_run_exists(tmp_path: Path) -> None:
+    # A credential typed into storage_options (the UI form, the API) is refused by the
+    # deployment's parameter schema: no flow run is created, so no stored parameter (the
+    # UI's Parameters tab) holds it, and the refusal does not echo it.
+    secret = "TOPSECRET-123"
+    with get_client(sync_client=True) as client:
+        before = {r.id for r in client.read_flow_runs()}
+    for options in (
+        {"secret": secret},
+        {"client_kwargs": {"aws_secret_access_key": secret}},
+        {"Key": secret},
+    ):
+        bad = params(
+            tmp_path,
+            tmp_path / "cube.nc",
+            load={"impl": "netcdf", "path": "s3://bucket/cube.nc", "storage_options": options},
+        )
+        with pytest.raises(PrefectHTTPStatusError) as err:
+            run_deployment("gridsolve/on-demand", parameters=bad, timeout=0)
+        assert err.value.response.status_code == 409, err.value.response.text
+        assert secret not in err.value.response.text
+    with get_client(sync_client=True) as client:
+        made = [r for r in client.read_flow_runs() if r.id not in before]
+    assert not [r.name for r in made if secret in str(r.parameters)], "a run holds the secret"
+
+
 def test_a_schedule_fires_without_any_manual_trigger(
     tmp_path: Path, write_cube: Any, deployments: dict[str, str]
 ) -> None:

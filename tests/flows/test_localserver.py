@@ -74,7 +74,11 @@ def test_a_supervisor_killed_outright_takes_its_prefect_process_down(
     # server` runs one of its own on a free port. SIGKILL of the supervisor leaves no
     # Prefect process behind: a worker left online would take runs beside a restarted one.
     gridsolve = str(Path(sys.executable).parent / "gridsolve")
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home")}
+    home = tmp_path / "gridsolve-home"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "GRIDSOLVE_HOME": str(home)}
+    for name in list(env):
+        if name.startswith("GRIDSOLVE_ALLOWED_"):
+            del env[name]
     cmd = (
         [gridsolve, "worker"]
         if what == "worker"
@@ -102,6 +106,14 @@ def test_a_supervisor_killed_outright_takes_its_prefect_process_down(
         assert ready in log.read_text(errors="replace"), log.read_text()[-2000:]
         children = _children(supervisor.pid)
         assert children, f"gridsolve {what} started no Prefect process"
+        if what == "worker":  # confined by default: what the worker's runs inherit
+            environ = Path(f"/proc/{children[0]}/environ").read_bytes().split(b"\0")
+            seen = dict(e.decode().split("=", 1) for e in environ if b"=" in e)
+            assert seen["GRIDSOLVE_ALLOWED_ROOTS"] == str(home)
+            assert seen["GRIDSOLVE_ALLOWED_INPUTS"] == str(home / "data")
+            assert seen["GRIDSOLVE_ALLOWED_MODULES"] == "gridsolve"
+            assert seen["GRIDSOLVE_ALLOWED_URLS"] == ""
+            assert "runs read inputs from" in log.read_text()
         supervisor.kill()
         supervisor.wait()
         deadline = time.monotonic() + 30

@@ -39,3 +39,43 @@ def test_no_restriction_without_the_variable(
 def test_template_values_stay_one_path_component(name: str) -> None:
     out = render_template("/data/out/{flow_run_name}.nc", {"flow_run_name": name})
     assert out.startswith("/data/out/") and out.count("/") == 3 and ".." not in out
+
+
+def test_a_worker_confines_runs_by_default_and_its_operator_decides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gridsolve.schemas.errors import ConfigError, InputError
+    from gridsolve.stages.engine import paths
+
+    home = tmp_path / "gridsolve"
+    env: dict[str, str] = {paths.ALLOWED_MODULES_ENV: "gridsolve mylab"}  # set: it wins
+    said = paths.confine(env, home)
+    assert env[paths.ALLOWED_ROOTS_ENV] == str(home)
+    assert env[paths.ALLOWED_INPUTS_ENV] == str(home / "data")
+    assert env[paths.ALLOWED_URLS_ENV] == ""
+    assert env[paths.ALLOWED_MODULES_ENV] == "gridsolve mylab"
+    assert f"write under {home}" in said and "buckets: nowhere" in said
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    # what a UI custom run tried (issue 32): all refused under the defaults
+    with pytest.raises(InputError, match="outside the places this worker may read from"):
+        paths.ensure_input_allowed("/etc/passwd", "load.path")
+    with pytest.raises(OutputError):
+        paths.ensure_allowed(home / ".." / "elsewhere.nc", "output file")
+    with pytest.raises(OutputError, match=r"\(none allowed\)"):
+        paths.ensure_allowed_url("s3://anybucket/out.nc", "output URL")
+    with pytest.raises(ConfigError, match="not one this worker may import"):
+        paths.ensure_module_allowed("os")
+    paths.ensure_input_allowed(str(home / "data" / "sst.nc"), "load.path")
+    paths.ensure_module_allowed("mylab.models")
+    assert paths.ensure_allowed(home / "outputs" / "x.nc", "output file").name == "x.nc"
+
+    # --unconfined: '*' everywhere, nothing refused
+    free: dict[str, str] = {}
+    assert "anywhere" in paths.confine(free, home, unconfined=True)
+    for name, value in free.items():
+        monkeypatch.setenv(name, value)
+    paths.ensure_input_allowed("/etc/passwd", "load.path")
+    paths.ensure_module_allowed("os")
+    assert paths.ensure_allowed_url("s3://anybucket/out.nc", "output URL")
+    assert paths.ensure_allowed(tmp_path / "anywhere.nc", "output file").name == "anywhere.nc"
