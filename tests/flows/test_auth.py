@@ -65,6 +65,8 @@ def client_env(api: str, auth: str | None, home: Path) -> dict[str, str]:
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_WORKER_QUERY_SECONDS="1",
         PREFECT_WORKER_PREFETCH_SECONDS="5",
+        # the conftest's heartbeat interval, which its silent-run window is sized for
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY=os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"],
     )
     if auth is not None:
         env["PREFECT_API_AUTH_STRING"] = auth
