@@ -829,7 +829,9 @@ def pipeline(
     with run_housekeeping(cfg.cache.root, cfg.cache.max_size_bytes, logger):
         summary = run_pipeline(cfg)
     reads = run_reads(render_paths(cfg, template_values()), _CONFIG_FILE.get())
-    apply_keep_last(cfg.write, summary.output, started_ns, logger, reads)
+    # keep_last deletes only outputs this deployment (or local runs) made from this template
+    owner = rt_deployment.name or "local"
+    apply_keep_last(cfg.write, summary.output, started_ns, logger, reads, owner)
     return summary
 
 

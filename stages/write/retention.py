@@ -20,6 +20,15 @@ outside ``GRIDSOLVE_ALLOWED_ROOTS``. Each
 placeholder matches only what it renders to (``{scheduled_date}`` a date,
 ``{flow_run_id}`` a UUID, names: letters, digits, ``_``, ``-``, ``.``).
 Local paths only: a URL's outputs are left alone.
+
+Only outputs that the same writer made are ever deleted: every run of a
+templated path records its output in a ledger kept beside the outputs
+(``.gridsolve-keep-<digest>`` in the template's fixed folder), one per
+deployment and template (``owner``: the deployment's name, ``local`` for
+``gridsolve run``). A custom run of one deployment with another's naming
+pattern, or a run with a new template that happens to match old files, deletes
+nothing it did not write; outputs written before the ledger existed are left to
+their owners.
 """
 
 from __future__ import annotations
@@ -34,7 +43,8 @@ from typing import Any
 
 from gridsolve.schemas.base import is_url
 from gridsolve.schemas.errors import GridsolveError
-from gridsolve.stages.engine.paths import Place, ensure_allowed, read_by_run
+from gridsolve.stages.engine.hashing import hash_text
+from gridsolve.stages.engine.paths import Place, atomic_file, ensure_allowed, read_by_run
 from gridsolve.stages.engine.provenance import is_gridsolve_output
 
 #: What the writer and the flow put beside an output ``<output><suffix>``.
@@ -105,8 +115,52 @@ def outputs_read(template: str, reads: Sequence[Place]) -> list[tuple[Path, Plac
     return [(p, r) for p, r in found if r is not None]
 
 
+def ledger_path(template: str, owner: str) -> Path:
+    """Where the outputs ``owner`` made from ``template`` are recorded."""
+    fixed = template.split("{", 1)[0]
+    folder = Path(fixed) if fixed.endswith("/") else Path(fixed).parent
+    digest = hash_text(owner + "\0" + template)[:16]
+    return folder.expanduser() / f".gridsolve-keep-{digest}"
+
+
+def record_output(template: str, written: str, owner: str) -> None:
+    """Record that ``owner``'s run wrote ``written`` from ``template`` (local templates only)."""
+    if is_url(template) or is_url(written) or not is_template(template) or not written:
+        return
+    ledger = ledger_path(template, owner)
+    line = f"{Path(written).expanduser().resolve()}\n"
+    with open(ledger, "a", encoding="utf-8") as f:  # one short append: atomic in POSIX
+        f.write(line)
+
+
+def recorded(template: str, owner: str) -> set[Path]:
+    """The outputs ``owner``'s runs recorded for ``template``."""
+    try:
+        text = ledger_path(template, owner).read_text(encoding="utf-8")
+    except OSError:
+        return set()
+    return {Path(line) for line in text.splitlines() if line.strip()}
+
+
+def _forget(template: str, owner: str, gone: Sequence[Path]) -> None:
+    """Drop ``gone`` (and files no longer there) from ``owner``'s ledger of ``template``.
+
+    A line appended meanwhile by a concurrent run may be lost: that output is then
+    only ever kept, never deleted.
+    """
+    ledger = ledger_path(template, owner)
+    keep = sorted(p for p in recorded(template, owner) if p not in set(gone) and p.exists())
+    with atomic_file(ledger) as tmp:
+        tmp.write_text("".join(f"{p}\n" for p in keep), encoding="utf-8")
+
+
 def keep_last(
-    template: str, written: str, n: int, started_ns: int, reads: Sequence[Place] = ()
+    template: str,
+    written: str,
+    n: int,
+    started_ns: int,
+    reads: Sequence[Place] = (),
+    owner: str = "local",
 ) -> list[Path]:
     """Delete the oldest outputs matching ``template`` so at most ``n`` remain; what was deleted.
 
@@ -114,17 +168,19 @@ def keep_last(
     started (outputs modified since then belong to concurrent runs: kept);
     ``reads``: what the run reads (:func:`~gridsolve.stages.engine.paths.run_reads`):
     an output that is one of them, or whose sibling is, is kept and not counted.
-    Deletes the outputs' siblings too. Nothing happens for a URL or a path
+    Deletes the outputs' siblings too. Only outputs ``owner`` recorded
+    (:func:`record_output`) are candidates. Nothing happens for a URL or a path
     without placeholders.
     """
     if is_url(template) or is_url(written) or not is_template(template):
         return []
     protected = {p for p, _ in outputs_read(template, reads)}
     mine = Path(written).expanduser().resolve()
+    ours = recorded(template, owner)
     others: list[tuple[int, Path]] = []
     for path in matching_outputs(template):
         try:
-            if path.resolve() == mine or path in protected:
+            if path.resolve() == mine or path in protected or path.resolve() not in ours:
                 continue
             mtime = path.stat().st_mtime_ns
         except OSError:
@@ -143,6 +199,8 @@ def keep_last(
             Path(f"{path}{sibling}").unlink(missing_ok=True)
         _remove(path)
         removed.append(path)
+    if removed:
+        _forget(template, owner, [p.resolve() for p in removed])
     return removed
 
 
@@ -152,14 +210,26 @@ def apply_keep_last(
     started_ns: int,
     logger: logging.Logger | logging.LoggerAdapter[Any],
     reads: Sequence[Place] = (),
+    owner: str = "local",
 ) -> list[Path]:
-    """:func:`keep_last` for a write config with ``keep_last`` set; never raises (housekeeping).
+    """Record this run's output, then :func:`keep_last` if ``keep_last`` is set; never raises.
 
-    ``reads``: what the run reads, never deleted (each kept output is logged).
+    ``reads``: what the run reads, never deleted (each kept output is logged);
+    ``owner``: the deployment's name (``local`` outside one). The output is
+    recorded whether or not ``keep_last`` is set, so that setting it later
+    counts the runs before.
     """
     n = getattr(config, "keep_last", None)
     template = getattr(config, "path", None)
-    if n is None or not isinstance(template, str) or not written:
+    if not isinstance(template, str) or not written:
+        return []
+    try:
+        record_output(template, written, owner)
+    except OSError as exc:
+        logger.warning(
+            "write.keep_last: %s not recorded, it will never be removed: %s", written, exc
+        )
+    if n is None:
         return []
     if is_url(template):
         logger.info("write.keep_last is not applied to %s: local paths only", template)
@@ -176,7 +246,7 @@ def apply_keep_last(
                 read.label,
                 read.path,
             )
-        removed = keep_last(template, written, int(n), started_ns, reads)
+        removed = keep_last(template, written, int(n), started_ns, reads, owner)
     except OSError as exc:
         logger.warning("write.keep_last: old outputs not removed: %s", exc)
         return []

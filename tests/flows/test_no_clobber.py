@@ -268,6 +268,11 @@ def test_keep_last_never_deletes_an_old_output_the_run_reads(tmp_path: Path) -> 
         t = 1_600_000_000 + 60 * i
         os.utime(p, (t, t))
     before = {p: tree_digest(p) for p in (read_cube, weights)}
+    # as if earlier runs of the template had written them (keep_last deletes only those)
+    from gridsolve.stages.write.retention import record_output
+
+    for p in (read_cube, ko / "x-2020-01-02.nc", unread):
+        record_output(str(ko / "x-{date}.nc"), str(p), "local")
     cfg = config(
         tmp_path,
         "ko/x-2020-01-01.nc",
@@ -354,6 +359,10 @@ def test_keep_last_never_deletes_an_old_store_holding_the_config_file(tmp_path: 
     )
     for i, p in enumerate([holder, unread]):
         os.utime(p, (1_600_000_000 + 60 * i,) * 2)
+    from gridsolve.stages.write.retention import record_output
+
+    for p in (holder, unread):  # as if earlier runs of the template had written them
+        record_output(str(ko / "x-{date}.zarr"), str(p), "local")
     before = cfg.read_bytes()
     res = gridsolve("run", str(cfg), cwd=tmp_path)
     assert res.returncode == 0, res.stderr

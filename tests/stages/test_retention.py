@@ -16,7 +16,13 @@ import xarray as xr
 from gridsolve.schemas.kinds.write import NetCDFWrite
 from gridsolve.schemas.pipeline import build_config
 from gridsolve.stages.engine.provenance import is_gridsolve_output
-from gridsolve.stages.write.retention import SIBLINGS, apply_keep_last, keep_last
+from gridsolve.stages.write.retention import (
+    SIBLINGS,
+    apply_keep_last,
+    keep_last,
+    ledger_path,
+    record_output,
+)
 
 from testkit import make_ds, run_plan
 
@@ -85,6 +91,8 @@ def test_keep_last_deletes_the_oldest_outputs_and_their_files(tmp_path: Path, ct
     os.utime(not_a_uuid, (old - 60, old - 60))
 
     written = made[-1]  # this run's output, the newest
+    for p in made:  # what the runs that wrote them recorded
+        record_output(str(outs / "out-{flow_run_id}.nc"), str(p), "local")
     removed = keep_last(
         str(outs / "out-{flow_run_id}.nc"), str(written), 3, started_ns=time.time_ns()
     )
@@ -111,6 +119,8 @@ def test_the_one_just_written_and_a_concurrent_runs_output_are_never_deleted(
     later = time.time() + 5
     os.utime(d, (later, later))
     template = str(src.parent / "run-{flow_run_name}.nc")
+    for p in (a, b, c, d):
+        record_output(template, str(p), "local")
     removed = keep_last(template, str(a), 1, started_ns=started)
     assert sorted(removed) == sorted([b, c])
     assert a.exists() and d.exists() and not b.exists() and not c.exists()
@@ -127,6 +137,8 @@ def test_zarr_stores_are_kept_last_as_folders(tmp_path: Path, ctx: Any) -> None:
     folder_not_ours.mkdir()
     (folder_not_ours / "notes.txt").write_text("mine")
     os.utime(folder_not_ours, (old - 600, old - 600))
+    for p in made:
+        record_output(str(outs / "s-{scheduled_date}.zarr"), str(p), "local")
     removed = keep_last(str(outs / "s-{scheduled_date}.zarr"), str(made[-1]), 2, time.time_ns())
     assert removed == [made[0]]
     assert not made[0].exists() and not any(p.exists() for p in siblings_of(made[0]))
@@ -181,6 +193,8 @@ def test_an_output_the_run_reads_is_kept_said_and_not_counted(
     reads = [Place("load.path", str(made[0])), Place("model.weights", str(weights))]
     logger = logging.getLogger("gridsolve.test")
     cfg = NetCDFWrite(path=str(tmp_path / "o-{date}.nc"), keep_last=2)
+    for p in made[:3]:
+        record_output(cfg.path, str(p), "local")
     with caplog.at_level(logging.INFO, logger="gridsolve.test"):
         removed = apply_keep_last(cfg, str(made[3]), time.time_ns(), logger, reads)
     assert removed == []  # made[2] is the one older output kept; the two read are not counted
@@ -190,3 +204,34 @@ def test_an_output_the_run_reads_is_kept_said_and_not_counted(
     assert apply_keep_last(
         cfg.model_copy(update={"keep_last": 1}), str(made[3]), time.time_ns(), logger, reads
     ) == [made[2]]
+
+
+def test_only_outputs_the_same_deployment_recorded_for_the_template_are_deleted(
+    tmp_path: Path,
+) -> None:
+    # A custom run of on-demand given the nightly's naming pattern and keep_last deletes
+    # none of the nightly's outputs, nor outputs no run recorded (older ones, copies).
+    old = time.time() - 3600
+    template = str(tmp_path / "out" / "g-{scheduled_date}.nc")
+    (tmp_path / "out").mkdir()
+    made = []
+    for i in range(5):
+        made.append(tmp_path / "out" / f"g-2024-01-0{i + 1}.nc")
+        make_ds(n_obs=4, ny=2, nx=3).assign_attrs(source="gridsolve").to_netcdf(made[-1])
+        os.utime(made[-1], (old + 60 * i, old + 60 * i))
+    for p in made[:3]:
+        record_output(template, str(p), "nightly")  # made[3] was never recorded
+    record_output(template, str(made[4]), "on-demand")
+    logger = logging.getLogger("gridsolve.test")
+    cfg = NetCDFWrite(path=template, keep_last=1)
+    assert apply_keep_last(cfg, str(made[4]), time.time_ns(), logger, owner="on-demand") == []
+    assert all(p.exists() for p in made)
+    # the nightly's own run with keep_last 1 removes its two older ones, and nothing else
+    removed = apply_keep_last(cfg, str(made[2]), time.time_ns(), logger, owner="nightly")
+    assert sorted(removed) == made[:2]
+    assert made[2].exists() and made[3].exists() and made[4].exists()
+    # the ledger forgot what was removed; different owners keep different ledgers
+    ledger = ledger_path(template, "nightly")
+    assert ledger.name.startswith(".gridsolve-keep-") and ledger.parent == tmp_path / "out"
+    assert ledger.read_text().split() == [str(made[2].resolve())]
+    assert ledger_path(template, "on-demand") != ledger
