@@ -83,3 +83,35 @@ def test_compose_requires_one_login_for_the_server_and_its_clients() -> None:
         )
     # the server's health check stays unauthenticated (Prefect exempts /api/health)
     assert "/api/health" in " ".join(s["server"]["healthcheck"]["test"])
+
+
+def test_the_images_prefect_is_the_servers() -> None:
+    server = compose()["services"]["server"]["image"]  # prefecthq/prefect:<version>-python…
+    version = server.split(":", 1)[1].split("-", 1)[0]
+    text = (DOCKER / "Dockerfile").read_text()
+    assert f"ARG PREFECT_VERSION={version}" in text
+    assert '"prefect==${PREFECT_VERSION}"' in text  # installed with the package
+
+
+def test_both_gridsolve_services_build_the_image_and_runs_use_the_data_volume() -> None:
+    s = compose()["services"]
+    assert s["worker"]["build"] == s["deploy"]["build"]
+    assert s["worker"]["image"] == s["deploy"]["image"] == "gridsolve:latest"
+    text = (DOCKER / "Dockerfile").read_text()
+    # what deployment runs resolve relative paths against, and the folders they use there
+    assert "ENV GRIDSOLVE_HOME=/data" in text
+    assert "/data/outputs /data/data /data/.gridsolve-cache" in text
+    assert "GRIDSOLVE_ALLOWED" not in str(s["worker"]["environment"])  # confined by default
+
+
+def test_the_build_context_holds_only_what_the_image_copies() -> None:
+    lines = (DOCKER.parent / ".dockerignore").read_text().split("\n")
+    rules = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+    assert rules[0] == "*"  # everything out (.venv, .git, caches, outputs), then:
+    allowed = {r[1:].rstrip("/") for r in rules if r.startswith("!")}
+    copied = set()
+    for line in (DOCKER / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY "):
+            copied |= {p.rstrip("/").removeprefix("./") for p in line.split()[1:-1]}
+    assert copied <= allowed, copied - allowed
+    assert {".venv", ".git", "tests"}.isdisjoint(allowed)
