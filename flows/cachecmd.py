@@ -7,7 +7,8 @@ recently used artifacts that no running flow is using until the cache is under
 the cap, and prints what it removed and freed (see
 :mod:`gridsolve.stages.engine.prune`). Without ``--root`` or a config, the
 cache is the default ``cache.root`` (``.gridsolve-cache``) under ``$GRIDSOLVE_HOME``
-when that is set (where deployment runs keep it), else in this folder.
+when that is set (where deployment runs keep it), else in this folder if it has
+one, else under ``~/gridsolve`` (GRIDSOLVE_HOME's default).
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ def _where(args: argparse.Namespace) -> tuple[str, str | None]:
 
     if os.environ.get(HOME_ENV):  # a worker's machine: the deployments' default cache
         return str(deployment_home() / CacheConfig().root), None
-    return CacheConfig().root, None
+    here = Path(CacheConfig().root)
+    if here.is_dir():  # `gridsolve run` of a config in this folder
+        return str(here), None
+    # else the deployments' default cache under GRIDSOLVE_HOME's default (~/gridsolve)
+    return str(deployment_home() / CacheConfig().root), None
 
 
 def _local_cache(root: str) -> Path:

@@ -404,3 +404,28 @@ def test_default_root_is_the_deployments_cache_under_gridsolve_home(tmp_path: Pa
     )
     assert res.returncode == 0, res.stderr
     assert f"cache: {home / '.gridsolve-cache'}" in res.stdout and "artifacts: 0" in res.stdout
+
+
+def test_without_gridsolve_home_the_default_is_here_else_the_workers_home(tmp_path: Path) -> None:
+    """GRIDSOLVE_HOME unset: ./.gridsolve-cache when this folder has one (a local run's),
+    else ~/gridsolve/.gridsolve-cache (where a worker's runs keep it by default)."""
+    fake_home = tmp_path / "user"
+    env = {k: v for k, v in os.environ.items() if k != "GRIDSOLVE_HOME"}
+    env["HOME"] = str(fake_home)
+    here = tmp_path / "project"
+    here.mkdir()
+
+    def size() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [GRIDSOLVE, "cache", "size"], env=env, cwd=here, capture_output=True, text=True
+        )
+
+    workers = fake_home / "gridsolve" / ".gridsolve-cache"
+    res = size()
+    assert res.returncode == 2 and f"no cache folder at {workers}" in res.stderr, res.stderr
+    (workers / "objects").mkdir(parents=True)
+    res = size()
+    assert res.returncode == 0 and f"cache: {workers}" in res.stdout, res.stdout + res.stderr
+    (here / ".gridsolve-cache" / "objects").mkdir(parents=True)
+    res = size()
+    assert res.returncode == 0 and f"cache: {here / '.gridsolve-cache'}" in res.stdout
