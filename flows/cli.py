@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,31 @@ def cmd_server(args: argparse.Namespace) -> int:
     return supervise(server.command(), server.env())
 
 
+def locked_job_template() -> dict[str, Any]:
+    """The process pool's base job template: a run's job variables change nothing but names.
+
+    Only its name, labels and output streaming stay variables. Prefect's default
+    lets a run's job variables set the process's environment, its command and its
+    working folder: a UI "Custom run" could lift the worker's confinement
+    (GRIDSOLVE_ALLOWED_*) or run any command. Here the environment is the worker's
+    own, the command the worker's flow-run engine and the folder the worker's
+    default.
+    """
+    from prefect.workers.process import ProcessWorker
+
+    base: dict[str, Any] = ProcessWorker.get_default_base_job_template()
+    conf = base["job_configuration"]
+    # No env at all: Prefect merges a run's env job variable into a fixed env mapping
+    # (prefect/workers/base.py, from_template_and_values); the worker's own environment
+    # (with PREFECT_LOGGING_EXTRA_LOGGERS, see cmd_worker) is the runs'.
+    del conf["env"]
+    conf["command"] = None
+    conf["working_dir"] = None
+    for name in ("env", "command", "working_dir"):
+        base["variables"]["properties"].pop(name, None)
+    return base
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     """Create the work pool (if missing), every deployment of prefect.yaml, the automations."""
     from gridsolve.flows.automations import install_automations, silent_seconds
@@ -201,10 +227,14 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     inspect = subprocess.run(
         _prefect("work-pool", "inspect", args.pool), env=env, capture_output=True, text=True
     )
-    if inspect.returncode != 0:
-        made = _prefect_said(_prefect("work-pool", "create", args.pool, "--type", "process"), env)
-        if made != 0:
-            return made
+    with tempfile.TemporaryDirectory() as tmp:
+        template = Path(tmp) / "job-template.json"
+        template.write_text(json.dumps(locked_job_template()))
+        how = ["update", args.pool] if inspect.returncode == 0 else ["create", args.pool]
+        how += [] if inspect.returncode == 0 else ["--type", "process"]
+        made = _prefect_said(_prefect("work-pool", *how, "--base-job-template", str(template)), env)
+    if made != 0:
+        return made
     deployed = _prefect_said(_prefect("--no-prompt", "deploy", "--all"), env, root)
     if deployed != 0:
         return deployed

@@ -63,6 +63,8 @@ from gridsolve.schemas.pipeline import (
 from gridsolve.schemas.reading import deployment_home, resolved_path
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.paths import (
+    ensure_allowed,
+    ensure_allowed_url,
     ensure_input_allowed,
     ensure_module_allowed,
     refuse_destructive_outputs,
@@ -680,6 +682,18 @@ def check_reads_allowed(cfg: PipelineConfig) -> None:
             ensure_module_allowed(module, label)
 
 
+def check_cache_allowed(cache: CacheConfig) -> None:
+    """OutputError, before anything is written there, if the cache is outside the allowed roots.
+
+    The store refuses it too when opened, but Prefect writes its cache records into
+    the cache folder as the first task starts: this refuses the run before.
+    """
+    if is_url(cache.root):
+        ensure_allowed_url(cache.root, "cache folder", "cache")
+    else:
+        ensure_allowed(cache.root, "cache folder", "cache")
+
+
 def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     """Run every stage of ``cfg``'s plan inside the current flow run; returns the summary."""
     logger = get_run_logger()
@@ -688,6 +702,8 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
     with noting_user_errors():
         refuse_demo_on_schedule(cfg)
         check_reads_allowed(cfg)
+        # Before any task: Prefect writes its cache records into the cache folder.
+        check_cache_allowed(cfg.cache)
         # Here, on the rendered paths, so a run triggered in the UI is refused too.
         refuse_destructive_outputs(cfg)
         try:  # a bucket that refuses the output fails before any work

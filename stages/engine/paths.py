@@ -129,18 +129,26 @@ def confinement_defaults(home: Path, unconfined: bool = False) -> dict[str, str]
 
 
 def confine(env: dict[str, str], home: Path, unconfined: bool = False) -> str:
-    """Fill ``env``'s unset ``GRIDSOLVE_ALLOWED_*`` with the defaults; a line saying the result."""
+    """Fill ``env``'s unset or empty ``GRIDSOLVE_ALLOWED_*`` with the defaults; say the result.
+
+    Returns a line saying what runs may then do. Empty counts as unset (``VAR=``
+    from a compose file's ``${VAR:-}`` would otherwise confine nothing); ``*`` is
+    how an operator allows anything.
+    """
     for name, value in confinement_defaults(home, unconfined).items():
-        if name not in env:
+        if not env.get(name, "").strip():
             env[name] = value
 
     def shown(name: str) -> str:
         value = env[name].strip()
-        return "anywhere" if value == ANYWHERE else (value or "nowhere")
+        return "anywhere" if ANYWHERE in value.split() else (value or "nowhere")
 
+    # with local writes unconfined, so are writes to buckets (ensure_allowed_url)
+    roots_free = env[ALLOWED_ROOTS_ENV].strip() == ANYWHERE
     return (
         f"runs read inputs from {shown(ALLOWED_INPUTS_ENV)}, write under "
-        f"{shown(ALLOWED_ROOTS_ENV)} (buckets: {shown(ALLOWED_URLS_ENV)}), import models from "
+        f"{shown(ALLOWED_ROOTS_ENV)} (buckets: "
+        f"{'anywhere' if roots_free else shown(ALLOWED_URLS_ENV)}), import models from "
         f"{shown(ALLOWED_MODULES_ENV)} (GRIDSOLVE_ALLOWED_*; --unconfined lifts the defaults)"
     )
 

@@ -2,13 +2,15 @@
 
 Both writers (NetCDF and Zarr) write what this module describes: the tiled
 variables as their kinds declare them (:func:`output_variables`), the
-coordinates, coef labels and design matrix (:func:`skeleton`), the training's
-curves, the provenance attributes, and how variables are chunked. It knows no
+coordinates, coef labels and design matrix (:func:`skeleton`), what whole kinds
+add (:func:`extensions`: the training's curves and weights), the provenance
+attributes, and how variables are chunked. It knows no
 kind's arrays by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -97,7 +99,8 @@ def output_variables(
         decl = registry.get(kind, art.prepared.info["impl"])
         if decl.variables is not None:  # what this implementation adds to its kind's
             described += decl.variables(ctx)
-    kept = [v for v in described if v.made(tiled)]
+    # copies: the dims and attributes are rewritten below, the kinds' objects stay theirs
+    kept = [dataclasses.replace(v, attrs=dict(v.attrs)) for v in described if v.made(tiled)]
     kept += contract_variables(tiled, described)
     labels = " ".join(_coef_labels(coefficient_units(load, design)))
     for v in kept:

@@ -44,11 +44,17 @@ from typing import Any
 from gridsolve.schemas.base import is_url
 from gridsolve.schemas.errors import GridsolveError
 from gridsolve.stages.engine.hashing import hash_text
-from gridsolve.stages.engine.paths import Place, atomic_file, ensure_allowed, read_by_run
+from gridsolve.stages.engine.paths import (
+    BESIDE_SUFFIXES,
+    Place,
+    atomic_file,
+    ensure_allowed,
+    read_by_run,
+)
 from gridsolve.stages.engine.provenance import is_gridsolve_output
 
 #: What the writer and the flow put beside an output ``<output><suffix>``.
-SIBLINGS = (".quicklook.png", ".loss.png", ".weights.safetensors")
+SIBLINGS = BESIDE_SUFFIXES
 
 _PLACEHOLDER = re.compile(r"{(\w+)}")
 #: What each placeholder renders to (schemas.templating.render_template).
@@ -127,7 +133,8 @@ def record_output(template: str, written: str, owner: str) -> None:
     """Record that ``owner``'s run wrote ``written`` from ``template`` (local templates only)."""
     if is_url(template) or is_url(written) or not is_template(template) or not written:
         return
-    ledger = ledger_path(template, owner)
+    # beside the outputs, so inside the folders this worker may write to
+    ledger = ensure_allowed(ledger_path(template, owner), "keep_last ledger")
     line = f"{Path(written).expanduser().resolve()}\n"
     with open(ledger, "a", encoding="utf-8") as f:  # one short append: atomic in POSIX
         f.write(line)
@@ -225,7 +232,7 @@ def apply_keep_last(
         return []
     try:
         record_output(template, written, owner)
-    except OSError as exc:
+    except (OSError, ValueError, GridsolveError) as exc:
         logger.warning(
             "write.keep_last: %s not recorded, it will never be removed: %s", written, exc
         )
@@ -247,7 +254,7 @@ def apply_keep_last(
                 read.path,
             )
         removed = keep_last(template, written, int(n), started_ns, reads, owner)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # a broken ledger (not UTF-8) among them
         logger.warning("write.keep_last: old outputs not removed: %s", exc)
         return []
     for path in removed:

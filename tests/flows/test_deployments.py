@@ -92,6 +92,31 @@ def test_server_rejects_a_negative_ridge_before_the_run(tmp_path: Path, write_cu
     )
 
 
+def test_a_custom_runs_job_variables_cannot_change_its_environment_or_command(
+    tmp_path: Path, write_cube: Any
+) -> None:
+    # The pool's job template (gridsolve deploy) fixes the run's environment, command and
+    # folder. Were they a run's to set, these would fail the run (its input outside the
+    # inputs allowed, a command that exits 1) or lift a worker's confinement ('*').
+    cube = write_cube(make_ds())
+    run = run_deployment(
+        "gridsolve/on-demand",
+        parameters=params(tmp_path, cube),
+        job_variables={
+            "env": {"GRIDSOLVE_ALLOWED_INPUTS": "/nowhere", "GRIDSOLVE_ALLOWED_ROOTS": "/nowhere"},
+            "command": "false",
+            "working_dir": "/",
+        },
+        timeout=600,
+    )
+    assert run.state is not None and run.state.is_completed(), run.state
+    assert list(tmp_path.glob("out-*.nc"))
+    with get_client(sync_client=True) as client:
+        pool = client.read_work_pool("gridsolve-process")
+    conf = pool.base_job_template["job_configuration"]
+    assert conf["command"] is None and conf["working_dir"] is None and "env" not in conf
+
+
 def test_the_server_refuses_a_credential_before_the_run_exists(tmp_path: Path) -> None:
     # A credential typed into storage_options (the UI form, the API) is refused by the
     # deployment's parameter schema: no flow run is created, so no stored parameter (the

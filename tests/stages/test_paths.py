@@ -79,3 +79,19 @@ def test_a_worker_confines_runs_by_default_and_its_operator_decides(
     paths.ensure_module_allowed("os")
     assert paths.ensure_allowed_url("s3://anybucket/out.nc", "output URL")
     assert paths.ensure_allowed(tmp_path / "anywhere.nc", "output file").name == "anywhere.nc"
+
+
+def test_an_empty_allowance_is_unset_and_the_workers_line_says_what_is_enforced(
+    tmp_path: Path,
+) -> None:
+    from gridsolve.stages.engine import paths
+
+    home = tmp_path / "gridsolve"
+    env = {paths.ALLOWED_ROOTS_ENV: "", paths.ALLOWED_INPUTS_ENV: "  "}  # compose's ${VAR:-}
+    paths.confine(env, home)
+    assert env[paths.ALLOWED_ROOTS_ENV] == str(home)
+    assert env[paths.ALLOWED_INPUTS_ENV] == str(home / "data")
+    # local writes unconfined: so are bucket writes, and the line says so
+    free = {paths.ALLOWED_ROOTS_ENV: "*"}
+    said = paths.confine(free, home)
+    assert "write under anywhere (buckets: anywhere)" in said
