@@ -60,6 +60,16 @@ class OutputVariable:
         return art is not None and bool(art.tiles) and self.array in art.tiles[0][1]
 
 
+def flag_attrs(long_name: str, flags: Mapping[int, str], masks: bool = False) -> dict[str, Any]:
+    """CF attributes of a flag variable: its values (or bit ``masks``) and their meanings."""
+    codes = sorted(flags)
+    return {
+        "long_name": long_name,
+        "flag_masks" if masks else "flag_values": np.array(codes, dtype=np.int8),
+        "flag_meanings": " ".join(flags[k] for k in codes),
+    }
+
+
 @dataclass(frozen=True)
 class OutputContext:
     """What a kind describes its variables from: its artifact and the grid's.

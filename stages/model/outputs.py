@@ -7,10 +7,8 @@ writing a cached run imports none.
 
 from __future__ import annotations
 
-import numpy as np
-
 from gridsolve.schemas.contracts import MODEL_STATUS_FLAGS
-from gridsolve.stages.engine.outputs import OutputContext, OutputVariable
+from gridsolve.stages.engine.outputs import OutputContext, OutputVariable, flag_attrs
 
 
 def variables(ctx: OutputContext) -> list[OutputVariable]:
@@ -20,7 +18,6 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
     obj = (
         "sum of outputs" if m.get("objective") == "sum" else "mean squared error against the target"
     )
-    model_flags = sorted(MODEL_STATUS_FLAGS)
     out = [
         OutputVariable(
             "prediction",
@@ -35,11 +32,7 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
             "model",
             "model_status",
             ("y", "x"),
-            {
-                "long_name": "model stage status",
-                "flag_values": np.array(model_flags, dtype=np.int8),
-                "flag_meanings": " ".join(MODEL_STATUS_FLAGS[k] for k in model_flags),
-            },
+            flag_attrs("model stage status", MODEL_STATUS_FLAGS),
         ),
     ]
     for kind, label in (

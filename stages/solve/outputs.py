@@ -19,6 +19,7 @@ from gridsolve.schemas.contracts import STATUS_CODES, STATUS_FLAGS
 from gridsolve.stages.engine.outputs import (
     OutputContext,
     OutputVariable,
+    flag_attrs,
     per_unit,
     squared_unit,
     uniform_unit,
@@ -74,7 +75,6 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
     uniform = uniform_unit(coef_units)
     # the shared design's undetermined coefficients (see _undetermined_nan)
     shared = [int(j) for j in ctx.own.meta.get("undetermined_columns") or ()]
-    flags = sorted(STATUS_FLAGS)
     out = [
         OutputVariable(
             "coefficients",
@@ -108,11 +108,7 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
             "solve",
             "status",
             ("y", "x"),
-            {
-                "long_name": "solve status",
-                "flag_values": np.array(flags, dtype=np.int8),
-                "flag_meanings": " ".join(STATUS_FLAGS[k] for k in flags),
-            },
+            flag_attrs("solve status", STATUS_FLAGS),
         ),
         *_uncertainty_variables(ctx.own, uniform),
         *_trend_variables(ctx.design, units, shared),
@@ -197,11 +193,7 @@ def _uncertainty_variables(solve: TiledArtifact, uniform: str | None) -> list[Ou
             "solve",
             "uncertainty_flags",
             ("y", "x"),
-            {
-                "long_name": "uncertainty flags",
-                "flag_masks": np.array(sorted(UNCERTAINTY_FLAGS), dtype=np.int8),
-                "flag_meanings": " ".join(UNCERTAINTY_FLAGS[k] for k in sorted(UNCERTAINTY_FLAGS)),
-            },
+            flag_attrs("uncertainty flags", UNCERTAINTY_FLAGS, masks=True),
         ),
     ]
     if "coef_cov" in first:
