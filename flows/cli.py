@@ -267,8 +267,7 @@ def _prefect_said(cmd: list[str], env: Mapping[str, str], cwd: Path | None = Non
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run a Prefect worker on the pool in the foreground; it stops with this process."""
     from gridsolve.flows.localserver import supervise
-    from gridsolve.schemas.reading import deployment_home
-    from gridsolve.stages.engine.paths import confine
+    from gridsolve.schemas.confinement import confine, deployment_home
 
     _need_api()
     env = _prefect_env()
@@ -289,8 +288,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve both deployments from this process (a lighter alternative to pool + worker)."""
-    from gridsolve.schemas.reading import deployment_home
-    from gridsolve.stages.engine.paths import confine
+    from gridsolve.schemas.confinement import confine, deployment_home
 
     _need_api()
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "gridsolve")

@@ -13,6 +13,8 @@ import yaml
 from pydantic import BaseModel
 
 from gridsolve.schemas import catalog
+from gridsolve.schemas.confinement import HOME_ENV as HOME_ENV
+from gridsolve.schemas.confinement import deployment_home as deployment_home
 from gridsolve.schemas.errors import ConfigError
 from gridsolve.schemas.execution import CacheConfig
 from gridsolve.schemas.pipeline import DEFAULT_IMPL, STAGE_KINDS, PipelineConfig, build_config
@@ -99,20 +101,6 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
             node = nxt
         node[parts[-1]] = _parse_value(value)
     return out
-
-
-#: Where a deployment run's relative paths point (outputs, cache, inputs).
-HOME_ENV = "GRIDSOLVE_HOME"
-
-
-def deployment_home() -> Path:
-    """The folder of a deployment run's relative paths: ``$GRIDSOLVE_HOME``.
-
-    Default ``~/gridsolve``. Not the worker's working directory: that is the
-    code checkout `prefect deploy` recorded, and outputs and caches do not
-    belong in it.
-    """
-    return Path(os.environ.get(HOME_ENV) or Path.home() / "gridsolve").expanduser()
 
 
 def resolved_path(v: str, base: Path) -> str:

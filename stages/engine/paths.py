@@ -5,8 +5,8 @@ pins where runs may write: ``GRIDSOLVE_ALLOWED_ROOTS`` (folders separated
 by ``:``). Output files and cache folders must then resolve — after ``..`` and
 symbolic links — inside one of them. Unset, any writable path is allowed;
 ``gridsolve worker`` and ``gridsolve serve`` set it, and the input, URL and
-module allowances, to :func:`confinement_defaults` unless the operator set them
-or passed ``--unconfined`` (``*``: anywhere).
+module allowances, to the defaults of ``schemas/confinement.py`` unless the
+operator set them or passed ``--unconfined`` (``*``: anywhere).
 
 Wherever it may write, a run never writes over what it reads:
 :func:`refuse_destructive_outputs` compares its outputs with its inputs, the
@@ -29,21 +29,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gridsolve.schemas.base import is_url
+from gridsolve.schemas.confinement import (
+    ALLOWED_INPUTS_ENV,
+    ALLOWED_MODULES_ENV,
+    ALLOWED_ROOTS_ENV,
+    ALLOWED_URLS_ENV,
+    ANYWHERE,
+)
 from gridsolve.schemas.errors import ConfigError, InputError, OutputError
 from gridsolve.schemas.templating import render_template
 from gridsolve.stages.engine.provenance import is_gridsolve_output, is_gridsolve_side_file
 
 if TYPE_CHECKING:
     from gridsolve.schemas.pipeline import PipelineConfig
-
-ALLOWED_ROOTS_ENV = "GRIDSOLVE_ALLOWED_ROOTS"
-#: Object-store prefixes (``s3://bucket/prefix``, separated by spaces) writes may go to
-#: while ``GRIDSOLVE_ALLOWED_ROOTS`` confines local writes.
-ALLOWED_URLS_ENV = "GRIDSOLVE_ALLOWED_URLS"
-
-
-#: The value of a ``GRIDSOLVE_ALLOWED_*`` variable that confines nothing.
-ANYWHERE = "*"
 
 
 def allowed_roots() -> list[Path]:
@@ -94,63 +92,10 @@ def ensure_allowed_url(url: str, what: str, stage: str | None = None) -> str:
     return url
 
 
-#: Where runs may read inputs from: local folders and ``s3://bucket/prefix`` URLs,
-#: separated by spaces. Unset: anywhere this worker can read.
-ALLOWED_INPUTS_ENV = "GRIDSOLVE_ALLOWED_INPUTS"
-#: Module prefixes ``model.target`` may name (``mypkg.models other.pkg``), separated by
-#: spaces. Unset: any importable module.
-ALLOWED_MODULES_ENV = "GRIDSOLVE_ALLOWED_MODULES"
-
-
 def _listed(env: str) -> list[str]:
     """The entries of ``env`` (empty: no restriction, as is ``*``)."""
     listed = [p for p in os.environ.get(env, "").split() if p]
     return [] if ANYWHERE in listed else listed
-
-
-def confinement_defaults(home: Path, unconfined: bool = False) -> dict[str, str]:
-    """What a worker's runs are confined to where its operator set nothing.
-
-    Runs triggered by others (a UI "Custom run") read inputs under ``home/data``,
-    write outputs and caches under ``home``, and import models from gridsolve's
-    own package only; no object-store URL is allowed. ``unconfined``: none of it.
-    """
-    if unconfined:
-        return dict.fromkeys(
-            (ALLOWED_ROOTS_ENV, ALLOWED_URLS_ENV, ALLOWED_INPUTS_ENV, ALLOWED_MODULES_ENV),
-            ANYWHERE,
-        )
-    return {
-        ALLOWED_ROOTS_ENV: str(home),
-        ALLOWED_URLS_ENV: "",
-        ALLOWED_INPUTS_ENV: str(home / "data"),
-        ALLOWED_MODULES_ENV: "gridsolve",
-    }
-
-
-def confine(env: dict[str, str], home: Path, unconfined: bool = False) -> str:
-    """Fill ``env``'s unset or empty ``GRIDSOLVE_ALLOWED_*`` with the defaults; say the result.
-
-    Returns a line saying what runs may then do. Empty counts as unset (``VAR=``
-    from a compose file's ``${VAR:-}`` would otherwise confine nothing); ``*`` is
-    how an operator allows anything.
-    """
-    for name, value in confinement_defaults(home, unconfined).items():
-        if not env.get(name, "").strip():
-            env[name] = value
-
-    def shown(name: str) -> str:
-        value = env[name].strip()
-        return "anywhere" if ANYWHERE in value.split() else (value or "nowhere")
-
-    # with local writes unconfined, so are writes to buckets (ensure_allowed_url)
-    roots_free = env[ALLOWED_ROOTS_ENV].strip() == ANYWHERE
-    return (
-        f"runs read inputs from {shown(ALLOWED_INPUTS_ENV)}, write under "
-        f"{shown(ALLOWED_ROOTS_ENV)} (buckets: "
-        f"{'anywhere' if roots_free else shown(ALLOWED_URLS_ENV)}), import models from "
-        f"{shown(ALLOWED_MODULES_ENV)} (GRIDSOLVE_ALLOWED_*; --unconfined lifts the defaults)"
-    )
 
 
 def ensure_input_allowed(path: str, what: str, stage: str | None = None) -> None:

@@ -44,16 +44,17 @@ def test_template_values_stay_one_path_component(name: str) -> None:
 def test_a_worker_confines_runs_by_default_and_its_operator_decides(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from gridsolve.schemas import confinement
     from gridsolve.schemas.errors import ConfigError, InputError
     from gridsolve.stages.engine import paths
 
     home = tmp_path / "gridsolve"
-    env: dict[str, str] = {paths.ALLOWED_MODULES_ENV: "gridsolve mylab"}  # set: it wins
-    said = paths.confine(env, home)
-    assert env[paths.ALLOWED_ROOTS_ENV] == str(home)
-    assert env[paths.ALLOWED_INPUTS_ENV] == str(home / "data")
-    assert env[paths.ALLOWED_URLS_ENV] == ""
-    assert env[paths.ALLOWED_MODULES_ENV] == "gridsolve mylab"
+    env: dict[str, str] = {confinement.ALLOWED_MODULES_ENV: "gridsolve mylab"}  # set: it wins
+    said = confinement.confine(env, home)
+    assert env[confinement.ALLOWED_ROOTS_ENV] == str(home)
+    assert env[confinement.ALLOWED_INPUTS_ENV] == str(home / "data")
+    assert env[confinement.ALLOWED_URLS_ENV] == ""
+    assert env[confinement.ALLOWED_MODULES_ENV] == "gridsolve mylab"
     assert f"write under {home}" in said and "buckets: nowhere" in said
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -72,7 +73,7 @@ def test_a_worker_confines_runs_by_default_and_its_operator_decides(
 
     # --unconfined: '*' everywhere, nothing refused
     free: dict[str, str] = {}
-    assert "anywhere" in paths.confine(free, home, unconfined=True)
+    assert "anywhere" in confinement.confine(free, home, unconfined=True)
     for name, value in free.items():
         monkeypatch.setenv(name, value)
     paths.ensure_input_allowed("/etc/passwd", "load.path")
@@ -84,14 +85,17 @@ def test_a_worker_confines_runs_by_default_and_its_operator_decides(
 def test_an_empty_allowance_is_unset_and_the_workers_line_says_what_is_enforced(
     tmp_path: Path,
 ) -> None:
-    from gridsolve.stages.engine import paths
+    from gridsolve.schemas import confinement
 
     home = tmp_path / "gridsolve"
-    env = {paths.ALLOWED_ROOTS_ENV: "", paths.ALLOWED_INPUTS_ENV: "  "}  # compose's ${VAR:-}
-    paths.confine(env, home)
-    assert env[paths.ALLOWED_ROOTS_ENV] == str(home)
-    assert env[paths.ALLOWED_INPUTS_ENV] == str(home / "data")
+    env = {
+        confinement.ALLOWED_ROOTS_ENV: "",
+        confinement.ALLOWED_INPUTS_ENV: "  ",
+    }  # compose's ${VAR:-}
+    confinement.confine(env, home)
+    assert env[confinement.ALLOWED_ROOTS_ENV] == str(home)
+    assert env[confinement.ALLOWED_INPUTS_ENV] == str(home / "data")
     # local writes unconfined: so are bucket writes, and the line says so
-    free = {paths.ALLOWED_ROOTS_ENV: "*"}
-    said = paths.confine(free, home)
+    free = {confinement.ALLOWED_ROOTS_ENV: "*"}
+    said = confinement.confine(free, home)
     assert "write under anywhere (buckets: anywhere)" in said
