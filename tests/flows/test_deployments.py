@@ -149,6 +149,8 @@ def test_a_schedule_fires_without_any_manual_trigger(
     cube = write_cube(make_ds())
     dep_id = deployments["nightly"]
     with get_client(sync_client=True) as client:
+        # runs of the nightly deployment from other tests (test_crash_retry's) are not ours
+        earlier = {r.id for r in _runs(client, dep_id)}
         (schedule,) = client.create_deployment_schedules(
             dep_id,
             [(IntervalSchedule(interval=timedelta(seconds=5)), True)],
@@ -160,7 +162,7 @@ def test_a_schedule_fires_without_any_manual_trigger(
             # already taken outlived the test (deleting a schedule deletes only its runs
             # not yet started) and made the next test time out in CI.
             deadline = time.monotonic() + 240
-            while time.monotonic() < deadline and not taken(client, dep_id):
+            while time.monotonic() < deadline and not taken(client, dep_id, earlier):
                 time.sleep(1)
         finally:
             # A loaded 2-core machine can make the SQLite-backed server answer 503 briefly.
@@ -172,7 +174,7 @@ def test_a_schedule_fires_without_any_manual_trigger(
                     if attempt == 4:
                         raise
                     time.sleep(3)
-        runs = settled(client, dep_id, wait=300)
+        runs = settled(client, dep_id, earlier, wait=300)
     states = {r.name: r.state.name if r.state else "?" for r in runs}
     assert runs and all(r.auto_scheduled for r in runs), states
     assert all(r.state is not None and r.state.is_final() for r in runs), states
@@ -187,19 +189,27 @@ def _runs(client: Any, dep_id: str) -> list[Any]:
     return found
 
 
-def taken(client: Any, dep_id: str) -> bool:
-    """Whether a worker took one of the deployment's runs (pending, running or done)."""
-    return any(r.state is not None and not r.state.is_scheduled() for r in _runs(client, dep_id))
+def taken(client: Any, dep_id: str, earlier: set[Any]) -> bool:
+    """Whether a worker took one of the deployment's new runs (pending, running or done)."""
+    return any(
+        r.state is not None and not r.state.is_scheduled() and r.id not in earlier
+        for r in _runs(client, dep_id)
+    )
 
 
-def settled(client: Any, dep_id: str, wait: float) -> list[Any]:
-    """The deployment's runs a worker took, once none is left running (or after ``wait`` s).
+def settled(client: Any, dep_id: str, earlier: set[Any], wait: float) -> list[Any]:
+    """The deployment's runs not in ``earlier`` that a worker took, once none is running.
 
-    Runs still scheduled (the deployment's own nightly cron) are not counted.
+    After ``wait`` seconds, whatever they are. Runs still scheduled (the
+    deployment's own nightly cron) are not counted.
     """
     deadline = time.monotonic() + wait
     while True:
-        runs = [r for r in _runs(client, dep_id) if r.state and not r.state.is_scheduled()]
+        runs = [
+            r
+            for r in _runs(client, dep_id)
+            if r.state and not r.state.is_scheduled() and r.id not in earlier
+        ]
         if time.monotonic() > deadline or all(
             r.state is not None and r.state.is_final() for r in runs
         ):
