@@ -262,6 +262,12 @@ def side_files(extras: Sequence[Extension]) -> dict[str, Callable[[Path], None]]
     return {suffix: write for e in extras for suffix, write in e.side_files.items()}
 
 
+def write_side_files(extras: Sequence[Extension], output: Path) -> None:
+    """Write every file the extensions put beside ``output`` (``<output><suffix>``)."""
+    for suffix, write in side_files(extras).items():
+        write(Path(f"{output}{suffix}"))
+
+
 def run_attrs(
     config: NetCDFWrite | ZarrWrite, inputs: Mapping[str, Any], ctx: StageContext
 ) -> dict[str, str]:

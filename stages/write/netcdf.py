@@ -46,12 +46,14 @@ from gridsolve.stages.write.layout import (
     side_files,
     skeleton,
     tile_plan,
+    write_side_files,
 )
 from gridsolve.stages.write.target import (
     check_output_path,
     check_output_url,
     file_facts,
     free_bytes,
+    side_facts,
     staging_root,
     still_valid,
     url_facts,
@@ -238,8 +240,7 @@ def write_netcdf(
                         if v.flat_from is not None:
                             data = data.reshape(-1, *data.shape[-2:])
                         out.write(v.name, *_block(data, window, lead_dims, yx))
-        for suffix, write in side_files(extras).items():
-            write(Path(f"{final}{suffix}"))
+        write_side_files(extras, final)
     except GridsolveError:
         raise
     except (OSError, RuntimeError) as exc:
@@ -255,9 +256,7 @@ def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> St
         return _run_to_url(config, inputs, tiled, attrs, extensions(inputs))
     extras = extensions(inputs)
     path = write_netcdf(config, inputs["load"], inputs["design"], tiled, attrs, extras)
-    meta: dict[str, Any] = file_facts(path)
-    if sides := side_files(extras):
-        meta["side_files"] = {s: file_facts(Path(f"{path}{s}")) for s in sides}
+    meta: dict[str, Any] = {**file_facts(path), **side_facts(path, side_files(extras))}
     return StageOutput(meta=meta)
 
 
@@ -302,11 +301,7 @@ def _run_to_url(
         for tmp, target in zip(staged, targets, strict=True):
             remote.publish(tmp, target, options, "output file")
             published.append(target)
-        meta: dict[str, Any] = url_facts(url, options)
-        if sides:
-            meta["side_files"] = {
-                suffix: url_facts(t, options) for suffix, t in zip(sides, targets[1:], strict=True)
-            }
+        meta: dict[str, Any] = {**url_facts(url, options), **side_facts(url, sides, options)}
     except BaseException:
         for done in published:  # a run that failed leaves no half-published output behind
             with contextlib.suppress(Exception):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +223,23 @@ def _unchanged(facts: Mapping[str, Any]) -> bool:
 def still_valid(meta: Mapping[str, Any]) -> bool:
     """Whether the files a stored write artifact describes are still there, unchanged."""
     return _unchanged(meta) and sides_unchanged(meta)
+
+
+def side_facts(
+    output: str | Path, suffixes: Iterable[str], options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The write meta's ``side_files`` entry: facts of each ``<output><suffix>`` ({} if none).
+
+    Objects beside a URL output are identified as :func:`url_facts` does (``options``:
+    the bucket's storage options), local files as :func:`file_facts` does.
+    """
+    facts = {
+        s: url_facts(f"{output}{s}", options or {})
+        if remote.is_url(str(output))
+        else file_facts(Path(f"{output}{s}"))
+        for s in suffixes
+    }
+    return {"side_files": facts} if facts else {}
 
 
 def sides_unchanged(meta: Mapping[str, Any]) -> bool:

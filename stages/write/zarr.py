@@ -51,14 +51,14 @@ from gridsolve.stages.write.layout import (
     side_files,
     skeleton,
     tile_plan,
+    write_side_files,
 )
 from gridsolve.stages.write.target import (
     check_output_path,
     check_output_url,
-    file_facts,
+    side_facts,
     sides_unchanged,
     staging_root,
-    url_facts,
 )
 
 STAGE = "write/zarr"
@@ -187,8 +187,7 @@ def write_zarr(
     try:
         with atomic_folder(final) as tmp:
             _fill(str(tmp), None, config, load, design, tiled, attrs, extras)
-        for suffix, write in side_files(extras).items():
-            write(Path(f"{final}{suffix}"))
+        write_side_files(extras, final)
     except GridsolveError:
         raise
     except (OSError, RuntimeError) as exc:
@@ -339,16 +338,9 @@ def run(config: ZarrWrite, inputs: Mapping[str, Any], ctx: StageContext) -> Stag
     tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
     extras = extensions(inputs)
     path = write_zarr(config, inputs["load"], inputs["design"], tiled, attrs, extras)
-    sides = side_files(extras)
-    if isinstance(path, str):
-        meta: dict[str, Any] = _url_facts(path, config.storage_options)
-        if sides:
-            meta["side_files"] = {s: url_facts(f"{path}{s}", config.storage_options) for s in sides}
-        return StageOutput(meta=meta)
-    meta = _store_facts(path)
-    if sides:
-        meta["side_files"] = {s: file_facts(Path(f"{path}{s}")) for s in sides}
-    return StageOutput(meta=meta)
+    options = config.storage_options
+    made = _url_facts(path, options) if isinstance(path, str) else _store_facts(path)
+    return StageOutput(meta={**made, **side_facts(path, side_files(extras), options)})
 
 
 register(
