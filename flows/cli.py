@@ -168,7 +168,12 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     Stopping this process (Ctrl-C, SIGTERM, SIGHUP) stops the server and all it started.
     """
-    from gridsolve.flows.localserver import LocalServer, port_in_use, supervise
+    from gridsolve.flows.localserver import (
+        LocalServer,
+        database_summary,
+        port_in_use,
+        supervise,
+    )
 
     home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
     if port_in_use(args.host, args.port):
@@ -177,6 +182,7 @@ def cmd_server(args: argparse.Namespace) -> int:
             fix="stop that process, or choose another port: gridsolve server --port 4300",
         )
     server = LocalServer(home, port=args.port, host=args.host)
+    print(database_summary())
     print(f"Prefect UI at {server.url}; in other shells:\n  export PREFECT_API_URL={server.api}")
     if os.environ.get("PREFECT_SERVER_API_AUTH_STRING"):
         # the secret is never printed: the user set it and knows it

@@ -231,3 +231,23 @@ def api_refusal(api: str, auth: str | None, timeout: float = 10.0) -> str | None
         return f"the Prefect server at {api} requires a login (401 Unauthorized)"
     except (OSError, ValueError):  # unreachable, or not a URL: Prefect's client says which
         return None
+
+
+def database_summary() -> str:
+    """Which database a Prefect server started from this environment uses (no password).
+
+    Prefect's own settings decide (PREFECT_API_DATABASE_CONNECTION_URL or its parts, the
+    active profile); SQLite in PREFECT_HOME when nothing is set.
+    """
+    from prefect.settings import get_current_settings
+    from sqlalchemy.engine import make_url
+
+    secret = get_current_settings().server.database.connection_url
+    url = make_url(secret.get_secret_value()) if secret is not None else None
+    if url is None or url.get_backend_name() == "sqlite":
+        where = url.database if url is not None else "PREFECT_HOME"
+        return (
+            f"database: SQLite at {where} (one user; for a team or many runs at once, "
+            "PostgreSQL: README, Operations)"
+        )
+    return f"database: PostgreSQL at {url.host}:{url.port or 5432}/{url.database}"

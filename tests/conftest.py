@@ -150,9 +150,9 @@ def s3(s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """
     import uuid
 
-    from s3server import forget_filesystems
-
     from gridsolve.stages.engine import remote
+
+    from s3server import forget_filesystems
 
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)

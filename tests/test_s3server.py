@@ -12,6 +12,7 @@ from pathlib import Path
 import botocore.exceptions
 import pytest
 import s3fs
+
 from s3server import S3Server, s3_server
 
 BUCKET = "gridsolve-data"

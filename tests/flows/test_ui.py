@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
 from testkit import make_ds
+from ui_form import ARGS, CHROMIUM, choose, field
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.browser,
@@ -25,28 +24,6 @@ pytestmark = [
         not Path(CHROMIUM).exists(), reason="needs Debian chromium (.ci/install installs it)"
     ),
 ]
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-def field(page: Any, label: str) -> Any:
-    """The form property whose label is ``label`` (innermost)."""
-    cls = "contains(concat(' ', normalize-space(@class), ' '), ' schema-form-property ')"
-    return page.get_by_text(label, exact=True).locator(f"xpath=ancestor::div[{cls}][1]")
-
-
-def choose(page: Any, label: str, option: str) -> None:
-    field(page, label).locator("button.p-select-button__control").focus()
-    page.keyboard.press("ArrowDown")
-    page.locator(".p-select-option", has_text=re.compile(f"^{re.escape(option)}$")).click()
 
 
 def runs_of(deployment_id: str) -> list[Any]:
