@@ -112,9 +112,19 @@ def supervise(
     return 128 + stopped[0][0] if stopped else code
 
 
+#: How long the server keeps an automation's expired buckets (Prefect's default: 60 s).
+#: The silent-run automation fires when a run's bucket expires; a server that was down
+#: then sweeps, at restart, every bucket that expired more than this before, without
+#: firing it (prefect/server/events/triggers.py, periodic_evaluation), and the run stays
+#: Running for good. A week covers any outage an operator sits out; expired buckets are
+#: one row per run and automation. An operator's own value is kept.
+BUCKET_BUFFER_ENV, BUCKET_BUFFER = "PREFECT_SERVER_EVENTS_EXPIRED_BUCKET_BUFFER", "P7D"
+
+
 def server_env(home: Path, api: str, scheduler_seconds: int | None = None) -> dict[str, str]:
     """Environment of a `prefect server start` process."""
     env = {
+        BUCKET_BUFFER_ENV: BUCKET_BUFFER,
         **os.environ,
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -248,6 +258,6 @@ def database_summary() -> str:
         where = url.database if url is not None else "PREFECT_HOME"
         return (
             f"database: SQLite at {where} (one user; for a team or many runs at once, "
-            "PostgreSQL: README, Operations)"
+            "PostgreSQL: docs/operations.md)"
         )
     return f"database: PostgreSQL at {url.host}:{url.port or 5432}/{url.database}"

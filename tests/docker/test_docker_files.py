@@ -166,6 +166,10 @@ def test_compose_file_is_valid_against_the_compose_specification() -> None:
     jsonschema.Draft7Validator(schema).validate(resolved)
     server_env = resolved["services"]["server"]["environment"]
     assert server_env["PREFECT_SERVER_API_AUTH_STRING"] == env["PREFECT_AUTH"]
+    # as `gridsolve server` sets it: runs silent through an outage are still crashed
+    from gridsolve.flows.localserver import BUCKET_BUFFER, BUCKET_BUFFER_ENV
+
+    assert server_env[BUCKET_BUFFER_ENV] == BUCKET_BUFFER
     assert "postgresql+asyncpg://prefect:prefect@postgres:5432/prefect" in json.dumps(resolved)
 
     # What `docker compose config` refuses, the schema does too (the check is not vacuous).
