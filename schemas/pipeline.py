@@ -168,6 +168,12 @@ class PipelineConfig(BaseModel):
         """The stage configs by kind, in the order of the fields."""
         return {k: getattr(self, k) for k in STAGE_KINDS}
 
+    def to_yaml(self) -> str:
+        """The config as the YAML file ``gridsolve run`` reads, every field explicit."""
+        import yaml
+
+        return str(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+
 
 def _stage_kinds() -> dict[str, StageKind]:
     out = {}

@@ -213,4 +213,4 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> PipelineConf
 
 def config_to_yaml(cfg: PipelineConfig) -> str:
     """The config as YAML, every field explicit."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return cfg.to_yaml()

@@ -19,7 +19,8 @@ runs the same plan without Prefect (tests, notebooks).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,8 +237,14 @@ def run_locally(
     *,
     tile_pixels: int | None = None,
     tiles: Sequence[Tile] | None = None,
+    max_workers: int = 1,
+    on_tile: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Ref]:
-    """Run ``plan`` in this process with the generic runner (no Prefect); the refs by kind."""
+    """Run ``plan`` in this process with the generic runner (no Prefect); the refs by kind.
+
+    Tiles run ``max_workers`` at a time (threads, as the flow's default runner does);
+    ``on_tile(kind, done, total)`` is called as each tile finishes.
+    """
     from gridsolve.stages.engine.runner import prepare_stage, run_stage, run_tile
 
     refs: dict[str, Ref] = {}
@@ -256,13 +263,24 @@ def run_locally(
             tile_list = plan.tiles(refs, ctx.memory_budget, tile_pixels)
         tile_refs: dict[str, dict[int, ArtifactRef]] = {}
         for s in seg.steps:
-            sctx = ctx.with_peers(s.peers)
-            by_index = {
-                t.index: run_tile(
-                    s.config, tile_inputs(s, refs, tile_refs, t), prepared[s.kind], t, sctx
-                ).ref
-                for t in tile_list
-            }
+
+            def one(
+                t: Tile,
+                s: Step = s,
+                tile_refs: Mapping[str, Mapping[int, ArtifactRef]] = tile_refs,
+                prepared: Mapping[str, ArtifactRef] = prepared,
+            ) -> ArtifactRef:
+                # a context of its own per tile: the runner sets ``key`` on it
+                sctx = ctx.with_peers(s.peers)
+                inputs = tile_inputs(s, refs, tile_refs, t)
+                return run_tile(s.config, inputs, prepared[s.kind], t, sctx).ref
+
+            by_index: dict[int, ArtifactRef] = {}
+            with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
+                for t, ref in zip(tile_list, pool.map(one, tile_list), strict=True):
+                    by_index[t.index] = ref
+                    if on_tile is not None:
+                        on_tile(s.kind, len(by_index), len(tile_list))
             tile_refs[s.kind] = by_index
             refs[s.kind] = tiled_ref(s, prepared[s.kind], [by_index[t.index] for t in tile_list])
     return refs
