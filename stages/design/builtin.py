@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from gridsolve.schemas.contracts import ArraySpec
-from gridsolve.schemas.errors import ContractError
+from gridsolve.schemas.errors import ContractError, InputError
 from gridsolve.schemas.kinds.design import (
     HarmonicDesign,
     PolynomialDesign,
@@ -235,6 +235,7 @@ def run_harmonic(
     else:
         n = len(v)
         period = (2 * half) * n / (n - 1) if n > 1 else 1.0
+    refuse_aliased(v, period, config.harmonics, unit)
     cols = [np.ones_like(v)]
     names = ["1"]
     if config.trend:
@@ -262,6 +263,42 @@ def run_harmonic(
             "axis_step": step,
             **_trend(1 if config.trend else None, half, step),
         },
+    )
+
+
+def refuse_aliased(v: np.ndarray, period: float, harmonics: int, unit: str | None) -> None:
+    """InputError when the observations are too far apart to determine the highest harmonic.
+
+    A cycle is determined only by observations less than half its period apart (Nyquist);
+    sampled more sparsely, its cos and sin columns alias onto slower ones (annual means:
+    the annual cosine is nearly the constant column), and the fit returns amplified
+    noise for every pixel, each "determined" by a full-rank design. The spacing is the
+    median over the shared observation axis, so gaps in some pixels do not count.
+    """
+    steps = np.diff(np.unique(v))
+    if steps.size == 0:
+        return
+    step = float(np.median(steps))
+    if step <= 0 or harmonics < period / (2 * step):
+        return
+    resolved = int(np.ceil(period / (2 * step))) - 1  # the largest k with period / k > 2 step
+    what = unit.split(" since ")[0] if unit else "obs-coordinate units"
+    if resolved >= 1:
+        fix = f"set design.harmonics to at most {resolved}, or use finer data"
+    else:
+        fix = (
+            "use a design these data determine, e.g. {impl: polynomial, degree: 1}, or set "
+            "design.period to a cycle longer than twice the spacing"
+        )
+    raise InputError(
+        f"the observations are too far apart for harmonic {harmonics} of a {period:g}-"
+        f"{what.removesuffix('s')} "
+        f"period: they alias onto slower terms instead of being fitted",
+        stage="design/harmonic",
+        expected=f"observations less than half of {period / harmonics:g} {what} apart "
+        f"(the period of harmonic {harmonics})",
+        found=f"a median spacing of {step:g} {what}",
+        fix=fix,
     )
 
 

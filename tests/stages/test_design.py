@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gridsolve.schemas.errors import ContractError
+from gridsolve.schemas.errors import ContractError, InputError
 from gridsolve.schemas.kinds.design import (
     HarmonicDesign,
     PolynomialDesign,
@@ -49,6 +49,33 @@ def test_harmonic_matches_formula(chain: Chain, cube_path: Path) -> None:
     w = 2 * np.pi * (d - c) / 10.0
     expected = np.stack([np.ones_like(d), np.cos(w), np.sin(w), np.cos(2 * w), np.sin(2 * w)], 1)
     np.testing.assert_allclose(art.array("A"), expected, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("freq", "harmonics", "refused", "fix"),
+    [
+        ("YS", 1, True, "impl: polynomial"),  # annual means cannot see the annual cycle
+        ("MS", 6, True, "at most 5"),  # monthly data: harmonic 6 is at the Nyquist limit
+        ("MS", 5, False, ""),
+        ("D", 2, False, ""),
+    ],
+)
+def test_harmonics_the_sampling_cannot_determine_are_refused(
+    chain: Chain, write_cube: Any, freq: str, harmonics: int, refused: bool, fix: str
+) -> None:
+    import pandas as pd
+
+    ds = make_ds(n_obs=48).assign_coords(time=pd.date_range("1990-01-01", periods=48, freq=freq))
+    chain.whole("load", NetCDFLoad(path=str(write_cube(ds, "s.nc"))))
+    if not refused:
+        art = chain.whole("design", HarmonicDesign(harmonics=harmonics))
+        assert art.meta["rank"] == 2 + 2 * harmonics
+        return
+    with pytest.raises(InputError) as err:
+        chain.whole("design", HarmonicDesign(harmonics=harmonics))
+    said = str(err.value)
+    assert f"too far apart for harmonic {harmonics} of a 365.25-day period" in said, said
+    assert fix in said, said
 
 
 def test_random_is_seeded(chain: Chain, cube_path: Path) -> None:
