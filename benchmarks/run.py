@@ -82,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     met = sum(all(part.strip() == "met" for part in r[3].split("/")) for r in rows)
     print(f"{met} of {len(rows)} targets met; full outputs in {out}/")
     (out / "summary.md").write_text(markdown(rows, names, machine()))
-    print(f"markdown table for the README: {out / 'summary.md'}")
+    print(f"markdown table for docs/benchmarks.md: {out / 'summary.md'}")
     return 1 if failed else 0
 
 
 def markdown(rows: list[tuple[str, str, str, str]], names: list[str], where: str) -> str:
-    """The table of targets as the README's performance section shows it."""
+    """The table of targets as docs/benchmarks.md shows it."""
     lines = [
         f"`python benchmarks/run.py {' '.join(names)}` on {where}, {time.strftime('%Y-%m-%d')}:",
         "",

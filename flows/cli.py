@@ -190,7 +190,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     elif args.host not in ("127.0.0.1", "localhost", "::1"):
         print(
             f"warning: anyone who reaches {args.host}:{args.port} can start runs; set "
-            "PREFECT_SERVER_API_AUTH_STRING=user:password for this server (README, Team setup)"
+            "PREFECT_SERVER_API_AUTH_STRING=user:password for this server (docs/team.md)"
         )
     print("Stop with Ctrl-C or SIGTERM: the server and everything it started stop with it.")
     sys.stdout.flush()
@@ -264,7 +264,7 @@ def _prefect_said(cmd: list[str], env: Mapping[str, str], cwd: Path | None = Non
     )
     assert proc.stdout is not None
     for line in proc.stdout:
-        # Prefect suggests its own worker; ours stops with its parent (README, Team setup)
+        # Prefect suggests its own worker; ours stops with its parent (docs/team.md)
         sys.stdout.write(_PREFECT_WORKER.sub(r"gridsolve worker --pool \1", line))
         sys.stdout.flush()
     return proc.wait()
@@ -344,7 +344,7 @@ def _demo_config() -> dict[str, Any]:
 
 
 def _trend_config() -> dict[str, Any]:
-    """The demo cube fitted with a trend design, standard errors on (README's worked example)."""
+    """The demo cube fitted with a trend design, standard errors on (docs/output.md)."""
     return {
         "load": {"impl": "netcdf", "path": "demo.nc", "variable": "signal"},
         "design": {"impl": "harmonic", "harmonics": 1},
@@ -355,7 +355,7 @@ def _trend_config() -> dict[str, Any]:
 
 
 def _train_config() -> dict[str, Any]:
-    """The demo cube's model trained to predict the seasonal range (README's training example)."""
+    """The demo cube's model trained to predict the seasonal range (docs/recipes/training.md)."""
     return {
         "load": {
             "impl": "netcdf",
@@ -411,13 +411,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     trend = out / "trend.yaml"
     trend.write_text(
-        "# Is the trend significant? `gridsolve run trend.yaml` (README, uncertainty)\n"
+        "# Is the trend significant? `gridsolve run trend.yaml` (docs/output.md)\n"
         + yaml.safe_dump(_trend_config(), sort_keys=False)
     )
     train = out / "train.yaml"
     train.write_text(
         "# Train the model to predict the seasonal range: `gridsolve run train.yaml` "
-        "(README, training)\n" + yaml.safe_dump(_train_config(), sort_keys=False)
+        "(docs/recipes/training.md)\n" + yaml.safe_dump(_train_config(), sort_keys=False)
     )
     print(f"demo cube {cube} ({args.size}), config {config} (and {trend.name}, {train.name})")
     return _run(config, args.overrides, args.debug)

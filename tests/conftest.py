@@ -205,7 +205,7 @@ def deployments(prefect_server: LocalServer) -> dict[str, str]:
         [GRIDSOLVE, "deploy", "--project", str(REPO)], capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    # Prefect's hint names its own worker; gridsolve's output names the README's
+    # Prefect's hint names its own worker; gridsolve's output names its own
     assert "prefect worker start" not in res.stdout + res.stderr
     assert "gridsolve worker --pool gridsolve-process" in res.stdout  # the pool was created
     assert "automation: gridsolve: retry a crashed nightly run once" in res.stdout

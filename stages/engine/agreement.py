@@ -1,6 +1,6 @@
 """The reproducibility guarantee, as numbers: how closely two computations of one output agree.
 
-gridsolve promises two things (README, "Determinism"):
+gridsolve promises two things (docs/failures.md, "Determinism"):
 
 * **Byte-identical** outputs for the same input content, config and tiling on
   the same machine (CPU code path) and library versions, across runs,

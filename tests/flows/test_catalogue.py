@@ -1,7 +1,7 @@
 """Every bad input users can meet: one clear message, exit status 2, nothing under the output name.
 
 Each case runs the real `gridsolve run` entry point (in-process, against the
-session's Prefect server) on a real file; the README lists the same messages.
+session's Prefect server) on a real file; docs/failures.md lists the same messages.
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def test_bad_input(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     # printed once: the console shows Prefect's run log, which leaves the message out
     first = [line for line in message if line.startswith(KINDS)]
     assert len(first) == 1, err
-    # a stage's message carries its kind and implementation, as the README shows them
+    # a stage's message carries its kind and implementation, as docs/failures.md shows them
     label = re.match(r"^[a-z ]+: \[([^\]]+)\]", first[0])
     assert label is None or re.fullmatch(r"[a-z_]+/[a-z_0-9]+", label[1]), first[0]
     out = Path(cfg["write"]["path"])

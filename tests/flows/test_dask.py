@@ -2,7 +2,7 @@
 
 Same keys (the runner is speed-only) and values within the agreement bound:
 Dask's workers run BLAS with other thread settings than the threads runner,
-which the guarantee covers only within the bound (README, Determinism).
+which the guarantee covers only within the bound (docs/failures.md, Determinism).
 """
 
 from __future__ import annotations

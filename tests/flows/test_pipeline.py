@@ -131,7 +131,7 @@ def test_plugin_design_is_chosen_by_config_in_the_flow(tmp_path: Path, write_cub
 
 
 def test_plugin_tiled_solve_runs_through_the_flow(tmp_path: Path, write_cube: Any) -> None:
-    # tests/plugins/my_solve.py follows only the README's "a tiled kind" section
+    # tests/plugins/my_solve.py follows only docs/extending.md's "a tiled kind" section
     import my_solve
 
     my_solve.install()

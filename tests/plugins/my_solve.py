@@ -1,8 +1,8 @@
-"""A tiled ``solve`` implementation from outside gridsolve, written from the README alone.
+"""A tiled ``solve`` implementation from outside gridsolve, written from docs/extending.md alone.
 
 ``numpy_lstsq`` solves each pixel's valid rows with ``numpy.linalg.lstsq``
 (slow, simple, float64): what "Adding a stage implementation — a tiled kind"
-in the README describes, following stages/solve/contract.py. It also makes an
+in docs/extending.md describes, following stages/solve/contract.py. It also makes an
 array its kind does not have (``rank``, each pixel's numerical rank) and
 describes that array's output variable itself (``StageDecl.variables``): the
 writers write it, with its attributes, in NetCDF and Zarr alike.

@@ -543,7 +543,7 @@ def test_many_tiles_give_the_numbers_of_one(ctx: Any, tmp_path: Path) -> None:
     one = pipeline(ctx, tmp_path, path, tile_pixels=10**6, name="one.nc")
     many = pipeline(ctx, tmp_path, path, tile_pixels=3, name="many.nc")
     # Across tilings the guarantee is the agreement bound, not equal bits: batched BLAS
-    # kernels round by batch size on some CPU paths (README, Determinism).
+    # kernels round by batch size on some CPU paths (docs/failures.md, Determinism).
     assert set(many.data_vars) == set(one.data_vars)
     got = {name: many[name].values for name in many.data_vars}
     assert not disagreements(got, {name: one[name].values for name in one.data_vars})

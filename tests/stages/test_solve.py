@@ -183,7 +183,7 @@ def test_tiles_agree_within_the_bound(chain: Chain, write_cube: Any, ctx: Any, d
         Tile(index=2, y0=3, y1=8, x0=3, x1=8),
     ]
     _, tiled = solve_cube(Chain(ctx), path, RandomDesign(coef=5), cfg, tiles)
-    # Not equal bits: BLAS rounding may depend on a product's width (README, Determinism).
+    # Not equal bits: BLAS rounding may depend on a product's width (docs/failures.md, Determinism).
     assert not disagreements(tiled, whole)
 
 
