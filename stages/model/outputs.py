@@ -35,6 +35,7 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
             flag_attrs("model stage status", MODEL_STATUS_FLAGS),
         ),
     ]
+    kind_word = {"grad": "gradient", "jac": "Jacobian"}
     for kind, label in (
         ("grad", "per-sample gradient"),
         ("jac", "per-sample Jacobian of the outputs"),
@@ -52,7 +53,9 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
                     f"{kind}:{name}",
                     (*lead, *dims, "y", "x"),
                     {
-                        "long_name": f"{label} with respect to parameter {name}{of}",
+                        "long_name": f"per-sample {kind_word[kind]} wrt a model parameter",
+                        "comment": f"{label} with respect to parameter {name}{of}",
+                        "parameter": name,
                         "units": "1",
                     },
                 )
@@ -66,7 +69,8 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
                 f"{kind}:input",
                 (*lead, *m["input_dims"], "y", "x"),
                 {
-                    "long_name": f"{label} with respect to the input (the coefficients){of}",
+                    "long_name": f"per-sample {kind_word[kind]} wrt the model input",
+                    "comment": f"{label} with respect to the input (the coefficients){of}",
                     "units": "1",
                 },
             )

@@ -111,7 +111,7 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
             flag_attrs("solve status", STATUS_FLAGS),
         ),
         *_uncertainty_variables(ctx.own, uniform),
-        *_trend_variables(ctx.design, units, shared),
+        *_trend_variables(ctx.design, units, shared, ctx.own),
         *_harmonic_variables(ctx.design, units, shared),
     ]
     return out
@@ -245,21 +245,27 @@ def _undetermined_nan(
 
 
 def _trend_variables(
-    design: Artifact, units: str | None, shared: list[int]
+    design: Artifact, units: str | None, shared: list[int], solve: TiledArtifact | None = None
 ) -> list[OutputVariable]:
-    """``trend``, where the design has a trend column: its coefficient per raw obs unit."""
+    """``trend``, where the design has a trend column: its coefficient per raw obs unit.
+
+    With the solve's uncertainty on, also ``trend_stderr`` (the column's standard error,
+    in the trend's units) and ``trend_p_value`` (the column's p-value).
+    """
     trend = design.meta.get("trend")
     if trend is None:
         return []
     col, scale = int(trend["column"]), float(trend["scale"])
 
-    def trend_of(arts: Mapping[str, Artifact]) -> np.ndarray:
-        a = arts["solve"].array("coefficients")
+    def per_obs_unit(arts: Mapping[str, Artifact], name: str) -> np.ndarray:
+        a = arts["solve"].array(name)
         value = a[col].astype(np.float64) / scale
         return _undetermined_nan(value, arts, shared, col).astype(a.dtype)
 
     name = design.meta["columns"][col]
-    return [
+    unit = per_unit(units, trend.get("per"))
+    what = f"the coefficient of design column {name!r} divided by the design's t_scale"
+    out = [
         OutputVariable(
             "trend",
             "solve",
@@ -267,14 +273,68 @@ def _trend_variables(
             ("y", "x"),
             {
                 "coefficient": str(name),
-                "long_name": f"linear trend: coefficient of column {name!r} per raw obs axis "
-                "unit (the column's coefficient divided by the design's t_scale)",
-                **({"units": u} if (u := per_unit(units, trend.get("per"))) else {}),
+                "long_name": "linear trend",
+                "comment": f"per unit of the observation axis: {what}",
+                **({"units": unit} if unit else {}),
             },
             # NaN where the pixel's valid rows do not determine the trend column
-            derive=trend_of,
+            derive=lambda arts: per_obs_unit(arts, "coefficients"),
         )
     ]
+    first = solve.tiles[0][1] if solve is not None and solve.tiles else None
+    if solve is None or first is None or "coef_stderr" not in first:
+        return out
+    scaled = solve.meta.get("cov_scale", "residual") == "residual"
+
+    def p_of(arts: Mapping[str, Artifact]) -> np.ndarray:
+        solved = arts["solve"]
+        t = t_values(solved.array("coefficients"), solved.array("coef_stderr"))
+        p = p_values(t[col : col + 1], solved.array("dof"), scaled)[0]
+        return _undetermined_nan(p, arts, shared, col)
+
+    out += [
+        OutputVariable(
+            "trend_stderr",
+            "solve",
+            "coefficients",  # its dtype; one value per pixel
+            ("y", "x"),
+            {
+                "coefficient": str(name),
+                "long_name": "standard error of the linear trend",
+                "comment": f"in the trend's units: the standard error of {what}",
+                **({"units": unit} if unit else {}),
+            },
+            derive=lambda arts: per_obs_unit(arts, "coef_stderr"),
+        ),
+        OutputVariable(
+            "trend_p_value",
+            "solve",
+            "coef_stderr",  # float64 like p_value: float32 underflows small p
+            ("y", "x"),
+            {
+                "coefficient": str(name),
+                "long_name": "two-sided p-value of the linear trend being zero",
+                "comment": f"the p_value of design column {name!r}",
+                "units": "1",
+            },
+            derive=p_of,
+        ),
+    ]
+    return out
+
+
+def reference_time(design_meta: Mapping[str, object]) -> dict[str, str]:
+    """``{"reference_time": ISO date}`` of the design's centre on a time axis, else {}.
+
+    The centre ``t_centre`` is in ``t_units`` (``days since 1970-01-01`` for datetimes,
+    a stored time's own units otherwise); only the former is turned into a date here.
+    """
+    units = str(design_meta.get("t_units") or "")
+    centre = design_meta.get("t_centre")
+    if units != "days since 1970-01-01" or not isinstance(centre, int | float):
+        return {"reference_time": f"{centre} {units}".strip()} if units else {}
+    when = np.datetime64("1970-01-01T00:00:00") + np.timedelta64(round(centre * 86400), "s")
+    return {"reference_time": str(when)}
 
 
 def _harmonic_variables(
@@ -294,6 +354,7 @@ def _harmonic_variables(
     ks = np.array([h["k"] for h in harmonics], dtype=np.float64)[:, None, None]
     period = float(design.meta["period"])
     step = design.meta.get("axis_step")
+    reference = reference_time(design.meta)
 
     def amplitude(arts: Mapping[str, Artifact]) -> np.ndarray:
         a = arts["solve"].array("coefficients")
@@ -315,7 +376,8 @@ def _harmonic_variables(
             "coefficients",
             ("harmonic", "y", "x"),
             {
-                "long_name": "amplitude of each harmonic: hypot of its cos and sin coefficients",
+                "long_name": "amplitude of each harmonic",
+                "comment": "hypot of the harmonic's cos and sin coefficients",
                 **({"units": units} if units else {}),
             },
             derive=amplitude,
@@ -326,9 +388,11 @@ def _harmonic_variables(
             "coefficients",
             ("harmonic", "y", "x"),
             {
-                "long_name": "time of each harmonic's maximum after the design's t_centre, "
-                "within one period of the harmonic (period / harmonic)",
+                "long_name": "time of each harmonic's maximum after reference_time",
+                "comment": "within one period of the harmonic (period / harmonic); "
+                "reference_time is the design's centre time t_centre",
                 **({"units": step} if step else {}),
+                **reference,
             },
             derive=peak,
         ),

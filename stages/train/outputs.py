@@ -57,9 +57,9 @@ def add_training(ds: xr.Dataset, train: Artifact, load: Artifact) -> None:
         (*lead, meta["y_dim"], meta["x_dim"]),
         np.asarray(train.array("grad_norm")).reshape(*lead_shape, meta["ny"], meta["nx"]),
         {
-            "long_name": "L2 norm of the per-pixel gradient of the training loss with respect "
-            "to all model parameters, at the trained weights",
-            "comment": "before clipping; NaN where the pixel was not used for training or "
+            "long_name": "norm of the per-pixel gradient of the training loss",
+            "comment": "L2 norm over all model parameters, at the trained weights, before "
+            "clipping; NaN where the pixel was not used for training or "
             "validation. Large values mark the pixels that pull hardest on the weights.",
         },
     )

@@ -193,7 +193,7 @@ def skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.D
         coords["coef_units"] = (
             "coef",
             np.array([u or "" for u in coef_units], dtype=str),
-            {"long_name": "units of the coefficient of each design column (empty: unknown)"},
+            {"long_name": "units of each design column's coefficient", "comment": "empty: unknown"},
         )
     design_attrs = _design_attrs(design)
     ds = xr.Dataset(

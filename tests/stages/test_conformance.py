@@ -205,6 +205,8 @@ WITHOUT_MODEL = {
     "r2",
     "uncertainty_flags",
     "trend",
+    "trend_stderr",
+    "trend_p_value",
 }
 
 

@@ -636,3 +636,64 @@ def test_float32_data_far_from_zero_keeps_its_noise(uncertainty: str, offset: fl
         np.testing.assert_allclose(out["coef_stderr"][:, j], res.bse, rtol=1e-5)
         np.testing.assert_allclose(out["t_value"][1:, j], res.tvalues[1:], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(out["dof"][j], res.df_resid)
+
+
+def test_trend_stderr_and_p_value_are_statsmodels_in_the_trends_own_units() -> None:
+    import pandas as pd
+    import xarray as xr
+
+    import gridsolve
+
+    rng = np.random.default_rng(12)
+    time = pd.date_range("2000-01-01", periods=120, freq="7D")
+    days = ((time - pd.Timestamp("1970-01-01")) / pd.Timedelta(days=1)).to_numpy()
+    y = 2 + 1e-3 * days[:, None, None] + rng.normal(0, 0.5, (120, 4, 5))
+    y[rng.random(y.shape) < 0.2] = np.nan
+    da = xr.DataArray(y, dims=("time", "y", "x"), coords={"time": time}, name="v")
+    da.attrs["units"] = "K"
+    out = gridsolve.fit(
+        da,
+        design={"impl": "harmonic", "harmonics": 1},
+        solve={"dtype": "float64", "uncertainty": "stderr"},
+        progress=False,
+    )
+    assert out["trend_stderr"].attrs["units"] == out["trend"].attrs["units"] == "K day-1"
+    w = 2 * np.pi * (days - out["design"].attrs["t_centre"]) / out["design"].attrs["period"]
+    X = np.stack([np.ones_like(days), days, np.cos(w), np.sin(w)], axis=1)  # raw days
+    for i in range(4):
+        for j in range(5):
+            ok = np.isfinite(y[:, i, j])
+            ols = sm.OLS(y[ok, i, j], X[ok]).fit()
+            np.testing.assert_allclose(out["trend"][i, j], ols.params[1], rtol=1e-8)
+            np.testing.assert_allclose(out["trend_stderr"][i, j], ols.bse[1], rtol=1e-8)
+            np.testing.assert_allclose(out["trend_p_value"][i, j], ols.pvalues[1], rtol=1e-6)
+
+
+def test_every_long_name_is_one_short_line_and_peak_offset_states_its_reference() -> None:
+    import xarray as xr
+
+    import gridsolve
+
+    ds = make_ds(n_obs=40, ny=4, nx=5, nan_fraction=0.1)
+    out = gridsolve.fit(
+        ds["signal"],
+        design={"impl": "harmonic", "harmonics": 1},  # 4 coefficients
+        solve={"uncertainty": "cov"},
+        model={
+            "impl": "multidim_linear",
+            "input_dim": 2,
+            "hidden_dim": 2,
+            "output_dim": 3,
+            "wrt": "both",
+            "jacobian": True,
+        },
+        progress=False,
+    )
+    assert {"trend_stderr", "trend_p_value", "coef_cov", "jac_input"} <= set(out.variables)
+    for name, var in out.variables.items():
+        long_name = str(var.attrs.get("long_name", ""))
+        assert len(long_name) <= 60 and "\n" not in long_name, (name, long_name)
+    centre = float(out["design"].attrs["t_centre"])  # days since 1970-01-01
+    ref = np.datetime64(out["peak_offset"].attrs["reference_time"])
+    assert ref == np.datetime64("1970-01-01") + np.timedelta64(round(centre * 86400), "s")
+    assert xr.DataArray(ref).dt.year == 2021  # make_ds starts on 2021-01-01
