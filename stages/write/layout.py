@@ -278,9 +278,11 @@ def run_attrs(
         made = art.prepared.info if isinstance(art, TiledArtifact) else art.info
         # Keys leave input file paths out (they cover the content); the file records
         # the paths this run read, which are part of this stage's key (records_sources).
-        paths = (art.meta.get(SOURCE) or {}).get("paths", {})
-        configs[kind] = {"impl": made["impl"], **made["config"], **paths}
+        source = art.meta.get(SOURCE) or {}
+        configs[kind] = {"impl": made["impl"], **made["config"], **source.get("paths", {})}
         keys[kind] = art.key
+        if kind == "load":
+            configs[kind].update(resolved_input(art.meta, source))
     configs["write"] = config.key_payload()
     keys["write"] = ctx.key
     return provenance(
@@ -289,6 +291,32 @@ def run_attrs(
         inputs["load"].meta["content_hash"],
         history=inputs["load"].meta.get("history", ""),
     )
+
+
+#: Up to this many matched files are listed by name in the provenance; more by digest.
+LISTED_FILES = 100
+
+
+def resolved_input(meta: Mapping[str, Any], source: Mapping[str, Any]) -> dict[str, Any]:
+    """What a load config resolved to this run: the dims it used, the files a glob matched.
+
+    A config may leave the dims to CF metadata and name files by a glob; the output
+    says which dims and files were read (a long list as a count and a digest of the
+    sorted names).
+    """
+    out: dict[str, Any] = {
+        "resolved_dims": {
+            role: meta[f"{role}_dim"] for role in ("obs", "y", "x") if meta.get(f"{role}_dim")
+        }
+    }
+    if meta.get("lead_dims"):
+        out["resolved_dims"]["batch"] = list(meta["lead_dims"])
+    files = sorted(str(f) for f in (source.get("files") or {}))
+    if len(files) > LISTED_FILES:
+        out["matched_files"] = {"count": len(files), "xxh3": hash_text("\n".join(files))}
+    elif files:
+        out["matched_files"] = files
+    return out
 
 
 def history_line(config_json: Mapping[str, Any]) -> str:

@@ -154,3 +154,26 @@ def test_failure_mid_write_leaves_nothing(chain: Chain, write_cube: Any, tmp_pat
     assert sorted(
         p.name for p in tmp_path.iterdir() if p.suffix == ".nc" or p.name.endswith(".tmp")
     ) == ["cube.nc"]
+
+
+def test_provenance_names_the_files_a_glob_matched_and_the_dims_it_resolved(
+    tmp_path: Path, ctx: Any
+) -> None:
+    import gridsolve
+
+    from testkit import run_plan
+
+    ds = make_ds(n_obs=12, ny=3, nx=4).rename({"y": "lat", "x": "lon"})
+    for i, part in enumerate((slice(0, 4), slice(4, 8), slice(8, 12))):
+        ds.isel(time=part).to_netcdf(tmp_path / f"part-{i}.nc")
+    cfg = gridsolve.config(
+        load={"impl": "netcdf", "path": str(tmp_path / "part-*.nc")},  # dims left to infer
+        design={"impl": "polynomial", "degree": 1},
+        write={"impl": "netcdf", "path": str(tmp_path / "out.nc")},
+    )
+    refs = run_plan(cfg.stage_configs(), ctx)
+    with xr.open_dataset(refs["write"].meta["path"]) as out:
+        said = json.loads(out.attrs["gridsolve_config"])["load"]
+    assert said["path"] == str(tmp_path / "part-*.nc")  # what the config said …
+    assert said["matched_files"] == [str(tmp_path / f"part-{i}.nc") for i in range(3)]
+    assert said["resolved_dims"] == {"obs": "time", "y": "lat", "x": "lon"}  # … and what it read
