@@ -89,6 +89,7 @@ def test_a_dask_backed_cube_gives_the_numbers_of_the_same_cube_in_memory(tmp_pat
 @pytest.mark.usefixtures("prefect_server")
 def test_fit_returns_what_the_cli_writes_and_shares_its_cache(tmp_path: Path) -> None:
     from gridsolve.flows.pipeline import run_config
+    from gridsolve.schemas.reading import load_config
 
     cube = tmp_path / "sst.nc"
     make_ds(n_obs=30, ny=12, nx=14, nan_fraction=0.2, seed=6, dtype="float32").to_netcdf(cube)
@@ -97,13 +98,17 @@ def test_fit_returns_what_the_cli_writes_and_shares_its_cache(tmp_path: Path) ->
     with xr.open_dataset(cube) as src:
         fitted = gridsolve.fit(src["signal"], design=design, cache=cache, progress=False)
 
-    cfg = gridsolve.config(
-        load={"impl": "netcdf", "path": str(cube), "variable": "signal"},
-        design=design,
-        write={"impl": "netcdf", "path": str(tmp_path / "out.nc")},
-        cache={"root": str(cache)},
+    # the notebook's call as the file to schedule, read back as `gridsolve run` reads it
+    yaml_file = tmp_path / "sst-trend.yaml"
+    yaml_file.write_text(
+        gridsolve.config(
+            load={"impl": "netcdf", "path": str(cube), "variable": "signal"},
+            design=design,
+            write={"impl": "netcdf", "path": str(tmp_path / "out.nc")},
+            cache={"root": str(cache)},
+        ).to_yaml()
     )
-    summary = run_config(cfg)
+    summary = run_config(load_config(yaml_file), yaml_file)
     cached = {r.stage: r.cache for r in summary.stages}
     # every stage the notebook ran is reused; the writer writes the CLI's own file
     assert all(v == "hit" for k, v in cached.items() if k != "write"), cached
