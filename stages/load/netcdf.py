@@ -1146,6 +1146,9 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: Source, var: str) -> Scan:
     arrays, coord_attrs, coord_cf, coord_digests = _read_coords(ds, cube, path)
     _check_values(config, cube, stats, arrays["obs"])
     digests.update(coord_digests)
+    extra_arrays, extra_meta, extra_digests = _extra_coords(cube, path)
+    arrays.update(extra_arrays)
+    digests.update(extra_digests)
     # The output appends its line to the input's history (CF 2.6.2): part of the content.
     history = str(ds.attrs.get("history", ""))
     if history:
@@ -1163,6 +1166,7 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: Source, var: str) -> Scan:
             ds[config.weights], lambda v: v, f"variable {config.weights!r}", path
         ).astype(np.float64)
     meta = _meta(cube, coord_attrs, coord_cf, history, stats["cube"], aux, design_columns)
+    meta.update(extra_meta)
     meta["selection"] = [[d, p if isinstance(p, int) else list(p)] for d, p in path.positions]
     if meta["selection"]:
         # Tiles read these positions: two files with the same selected values at other
@@ -1448,6 +1452,56 @@ def _read_coords(
             role, dname, arrays[role], bounds, coord_attrs[role], coord_cf[role]
         )
     return arrays, coord_attrs, coord_cf, digests
+
+
+def _scalar_value(c: xr.DataArray) -> tuple[Any, str] | None:
+    """A 0-d coordinate's value as JSON and its kind (a dtype, 'datetime' or 'str')."""
+    v = np.asarray(c.values)
+    if v.dtype.kind == "M":
+        return str(v.astype("datetime64[s]")), "datetime"
+    if v.dtype.kind in "iub":
+        return int(v), v.dtype.str
+    if v.dtype.kind == "f":
+        return float(v), v.dtype.str
+    if v.dtype.kind in "USO":
+        return str(v), "str"
+    return None
+
+
+def _extra_coords(
+    cube: _Cube, path: Source
+) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, str]]:
+    """The cube's coordinates the output keeps besides its dims' own: arrays, meta, digests.
+
+    Scalar coordinates (a level a selection kept, ``height: 2 m``) and auxiliary
+    coordinates on the grid (the 2-D ``lat``/``lon`` of a curvilinear grid), with their
+    kept attributes; both are part of the content (the output copies them).
+    """
+    arrays: dict[str, np.ndarray] = {}
+    scalars: dict[str, Any] = {}
+    grid: dict[str, Any] = {}
+    plane = {cube.y_dim, cube.x_dim}
+    for name, c in cube.da.coords.items():
+        attrs = {k: _jsonable(v) for k, v in c.attrs.items() if k in _KEPT_ATTRS}
+        if c.ndim == 0 and (found := _scalar_value(c)) is not None:
+            scalars[str(name)] = {"value": found[0], "kind": found[1], "attrs": attrs}
+        elif c.ndim == 2 and set(map(str, c.dims)) == plane and c.dtype.kind in "iuf":
+            values = _read(c.transpose(cube.y_dim, cube.x_dim), f"coordinate {name!r}", path)
+            arrays[f"aux:{name}"] = values
+            grid[str(name)] = {"attrs": attrs, "dtype": values.dtype.str}
+    meta: dict[str, Any] = {}
+    digests: dict[str, str] = {}
+    if scalars:
+        meta["scalar_coords"] = scalars
+        digests["scalar_coords"] = hash_text(canonical_json(scalars))
+    if grid:
+        meta["grid_coords"] = grid
+        for name in grid:
+            h = ArrayHasher()
+            h.header({"coord": name, **grid[name]})
+            h.update(arrays[f"aux:{name}"])
+            digests[f"grid_coord:{name}"] = h.hexdigest()
+    return arrays, meta, digests
 
 
 # ---------------------------------------------------------------- value checks

@@ -103,6 +103,8 @@ def output_variables(
     kept = [dataclasses.replace(v, attrs=dict(v.attrs)) for v in described if v.made(tiled)]
     kept += contract_variables(tiled, described)
     labels = " ".join(_coef_labels(coefficient_units(load, design)))
+    # the input's scalar and 2-D grid coordinates apply to every variable on the grid
+    carried = [*(load.meta.get("grid_coords") or {}), *(load.meta.get("scalar_coords") or {})]
     for v in kept:
         if v.dims[-2:] != GRID_ROLES:
             raise ContractError(
@@ -111,12 +113,13 @@ def output_variables(
                 fix="declare the variable's dims with 'y', 'x' last",
             )
         v.dims = (*v.dims[:-2], y, x)
-        if "coef" in v.dims:
-            v.attrs["coordinates"] = labels
+        named = [labels] if "coef" in v.dims else []
         if layout == "flat" and len(v.dims) > 3:
             v.flat_from = v.dims[:-2]
             v.dims = (f"{v.name}_index", y, x)
-            v.attrs["coordinates"] = f"{v.name}_label"
+            named = [f"{v.name}_label"]
+        if named or carried:
+            v.attrs["coordinates"] = " ".join([*named, *carried])
     return kept
 
 
@@ -172,6 +175,15 @@ def skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.D
         if info.get("bounds") and f"{role}_bounds" in load:
             b = info["bounds"]
             bounds[b["name"]] = (tuple(b["dims"]), np.asarray(load.array(f"{role}_bounds")))
+    for name, info in (meta.get("scalar_coords") or {}).items():
+        kind = info["kind"]
+        if kind == "datetime":
+            value = np.array(np.datetime64(info["value"], "ns"))
+        else:
+            value = np.array(info["value"], dtype=None if kind == "str" else np.dtype(kind))
+        coords[name] = ((), value, dict(info["attrs"]))
+    for name, info in (meta.get("grid_coords") or {}).items():
+        coords[name] = ((y, x), np.asarray(load.array(f"aux:{name}")), dict(info["attrs"]))
     coords["coef"] = (
         "coef",
         np.arange(len(cols), dtype=np.int32),

@@ -18,6 +18,7 @@ from typing import Any
 
 import netCDF4
 import numpy as np
+import pandas as pd
 import pytest
 import xarray as xr
 
@@ -451,3 +452,69 @@ def test_harmonic_amplitude_and_peak_time(nested: Path) -> None:
     phi = 2 * np.pi * peak / period
     again = amp[None] * np.cos(w[:, None, None] - phi[None])
     np.testing.assert_allclose(again[:, ok], fitted[:, ok], atol=1e-4)
+
+
+def curvilinear_levels(path: Path) -> Path:
+    """A CF cube on a rotated (curvilinear) grid with 2-D lat/lon and three pressure levels."""
+    rng = np.random.default_rng(5)
+    t = pd.date_range("2000-01-01", periods=24, freq="MS")
+    yy, xx = np.meshgrid(np.arange(6.0), np.arange(7.0), indexing="ij")
+    xr.Dataset(
+        {
+            "zg": (
+                ("time", "plev", "rlat", "rlon"),
+                rng.normal(5500, 5, (24, 3, 6, 7)).astype("f4"),
+                {"units": "m", "standard_name": "geopotential_height", "coordinates": "lat lon"},
+            )
+        },
+        coords={
+            "time": ("time", t, {"standard_name": "time", "axis": "T"}),
+            "plev": (
+                "plev",
+                [85000.0, 50000.0, 25000.0],
+                {"units": "Pa", "standard_name": "air_pressure", "positive": "down", "axis": "Z"},
+            ),
+            "rlat": ("rlat", yy[:, 0], {"standard_name": "grid_latitude", "units": "degrees"}),
+            "rlon": ("rlon", xx[0], {"standard_name": "grid_longitude", "units": "degrees"}),
+            "lat": (
+                ("rlat", "rlon"),
+                40 + 0.5 * yy + 0.1 * xx,
+                {"standard_name": "latitude", "units": "degrees_north"},
+            ),
+            "lon": (
+                ("rlat", "rlon"),
+                -10 + 0.5 * xx - 0.1 * yy,
+                {"standard_name": "longitude", "units": "degrees_east"},
+            ),
+        },
+        attrs={"Conventions": "CF-1.8"},
+    ).to_netcdf(path)
+    return path
+
+
+def test_a_selected_level_and_2d_lat_lon_are_carried_to_the_output(
+    chain: Chain, tmp_path: Path
+) -> None:
+    src = curvilinear_levels(tmp_path / "zg.nc")
+    chain.whole("load", NetCDFLoad(path=str(src), select={"plev": 50000}))
+    chain.whole("design", PolynomialDesign(degree=1))
+    chain.whole("normal_equations", SVDNormalEquations())
+    chain.tiled("solve", LstsqSolve())
+    out = tmp_path / "out.nc"
+    chain.whole("write", NetCDFWrite(path=str(out)))
+    with xr.open_dataset(out) as ds, xr.open_dataset(src) as inp:
+        assert float(ds["plev"]) == 50000.0 and ds["plev"].ndim == 0
+        assert ds["plev"].attrs["standard_name"] == "air_pressure"
+        for name in ("lat", "lon"):
+            np.testing.assert_array_equal(ds[name].values, inp[name].values)
+            assert ds[name].dims == ("rlat", "rlon")
+            assert ds[name].attrs == inp[name].attrs
+        for name in ("coefficients", "trend", "status"):
+            coords = ds[name].encoding.get("coordinates", "").split()
+            assert {"lat", "lon", "plev"} <= set(coords), (name, coords)
+    before, _ = cfchecks_errors(src, tmp_path)
+    after, text = cfchecks_errors(out, tmp_path)
+    assert after - before == set(), text
+    before_cc, _ = compliance_errors(src, tmp_path)
+    after_cc, text_cc = compliance_errors(out, tmp_path)
+    assert after_cc - before_cc == set(), text_cc
