@@ -69,6 +69,19 @@ _KEPT_ATTRS = ("units", "long_name", "standard_name", "calendar", "axis", "posit
 # HDF5 is not thread-safe; xarray locks its own reads, this guards our opens.
 _OPEN_LOCK = threading.RLock()
 log = logging.getLogger("gridsolve.load")
+#: What this process has said about its inputs: a run opens a file several times (the
+#: scan, each tile's reads, the flow's cache check), and a warning about the file is news
+#: once. A deployed run has a process of its own, so this is once per run there.
+_SAID: set[str] = set()
+
+
+def say_once(key: str) -> bool:
+    """Whether ``key`` (a warning about an input) is new in this process; it is not from now on."""
+    with _OPEN_LOCK:
+        if key in _SAID:
+            return False
+        _SAID.add(key)
+        return True
 
 
 # ---------------------------------------------------------------- opening
@@ -107,13 +120,18 @@ def open_netcdf(
             fix="convert the data to NetCDF (e.g. xarray's Dataset.to_netcdf) or fix load.path",
         )
     try:
-        with _OPEN_LOCK, warnings.catch_warnings():
+        with _OPEN_LOCK, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # each one caught here, said once below
             # Times datetime64 cannot hold come back as cftime dates, which are handled
             # (kept as stored numbers, see _coord): xarray's warning about it is noise here.
             warnings.filterwarnings("ignore", "Unable to decode time axis", SerializationWarning)
-            return xr.open_dataset(
+            ds = xr.open_dataset(
                 p, engine="netcdf4", cache=False, decode_timedelta=False, chunks=chunks
             )
+        for w in caught:
+            if say_once(f"{p.resolve()}: {w.category.__name__}: {w.message}"):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return ds
     except Exception as exc:
         times = _undecodable_times(p, stage, exc)
         if times is not None:
@@ -613,6 +631,8 @@ class MaskCount:
         )
         share = masked / self.size
         if share <= MASK_WARN_FRACTION and not b.odd:
+            return
+        if not say_once(f"masked: {name} {b.text} {masked} {self.size} {self.differ}"):
             return
         log.warning(
             "variable %r: %s marks %.1f%% of its values missing (%d of %d), %s%s; check "

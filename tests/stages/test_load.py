@@ -546,3 +546,36 @@ def test_a_remembered_refusal_is_raised_afresh_each_time(ctx: Any, write_cube: A
         seen.append(err.value)
     assert len({id(e) for e in seen}) == 3  # no object shared between runs
     assert len({str(e) for e in seen}) == 1
+
+
+def test_xarrays_warning_about_a_file_is_said_once_per_run_however_often_it_is_opened(
+    tmp_path: Path, ctx: Any
+) -> None:
+    import warnings
+
+    import netCDF4
+
+    import gridsolve
+
+    from testkit import run_plan
+
+    path = tmp_path / "two-fills.nc"
+    with netCDF4.Dataset(path, "w") as nc:
+        for name, n in (("time", 12), ("lat", 6), ("lon", 8)):
+            nc.createDimension(name, n)
+        t = nc.createVariable("time", "f8", ("time",))
+        t.units, t[:] = "days since 2000-01-01", np.arange(12) * 30.0
+        z = nc.createVariable("zg", "i2", ("time", "lat", "lon"), fill_value=-32767)
+        z.missing_value = np.int16(-32766)  # a second fill value: xarray warns
+        z.scale_factor, z.units = 0.5, "m"
+        z[:] = np.random.default_rng(0).normal(100, 5, (12, 6, 8))
+    cfg = gridsolve.config(
+        load={"path": str(path)},
+        design={"impl": "polynomial", "degree": 1},
+        write={"path": str(tmp_path / "out.nc")},
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_plan(cfg.stage_configs(), ctx, tile_pixels=8)  # 6 tiles, each reads the file
+    said = [w for w in caught if "multiple fill values" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
