@@ -48,11 +48,12 @@ WEIGHTS_VAR, TARGET_VAR = "gridsolve_weights", "gridsolve_target"
 #: What the provenance of a result names instead of the temporary input and output files.
 IN_MEMORY_INPUT, IN_MEMORY_OUTPUT = "(data given to gridsolve.fit)", "(returned by gridsolve.fit)"
 
-#: Encoding kept when the data are written for the load stage: what decides the decoded
-#: values and CF time (so the content hash matches the file they came from); chunking,
-#: compression and other file-layout choices of a source file are dropped.
-_KEPT_ENCODING = ("dtype", "_FillValue", "missing_value", "scale_factor", "add_offset")
-_KEPT_TIME_ENCODING = ("units", "calendar")
+#: Encoding kept when the data are written for the load stage: a time's units, calendar
+#: and stored dtype (the load stage hashes them, so the file hashes as the one the data
+#: came from). Packing (scale_factor, add_offset, _Unsigned) and fill values are dropped:
+#: values a user changed, or an unsigned type, would no longer fit them and be written
+#: wrong; the values go as they are in memory, NaN for missing.
+_KEPT_TIME_ENCODING = ("units", "calendar", "dtype")
 
 log = logging.getLogger("gridsolve")
 
@@ -114,6 +115,16 @@ def _input_dataset(
                 stage="load",
                 fix=f"pass {role}=<DataArray on the data's grid> or {role}='<variable name>'",
             )
+        try:
+            xr.align(ds, value, join="exact")
+        except ValueError as exc:
+            raise InputError(
+                f"{role} is not on the data's grid: their coordinates differ",
+                stage="load",
+                found=str(exc),
+                fix=f"give {role} the data's coordinates, e.g. {role}.reindex_like(data) "
+                "or .assign_coords(...) if they differ only by rounding",
+            ) from None
         if var in ds.variables:
             raise InputError(
                 f"data already has a variable named {var!r}, which {role} would replace",
@@ -126,13 +137,12 @@ def _input_dataset(
 
 
 def _for_writing(ds: xr.Dataset) -> xr.Dataset:
-    """``ds`` with only the encoding that decides decoded values (see _KEPT_ENCODING)."""
+    """``ds`` with only its times' encoding (see _KEPT_TIME_ENCODING)."""
     out = ds.copy(deep=False)
     for var in out.variables.values():  # ds[name] of an index would be a new object
         enc = var.encoding
-        time_like = "calendar" in enc or " since " in str(enc.get("units", ""))
-        keep = _KEPT_ENCODING + (_KEPT_TIME_ENCODING if time_like else ())
-        var.encoding = {k: v for k, v in enc.items() if k in keep}
+        time_like = var.dtype.kind in "mM" and " since " in str(enc.get("units", ""))
+        var.encoding = {k: v for k, v in enc.items() if k in _KEPT_TIME_ENCODING and time_like}
     return out
 
 

@@ -266,21 +266,39 @@ def run_harmonic(
     )
 
 
+#: Below this ratio of the singular values of a harmonic's (cos, sin) columns over the
+#: observation times, the pair is taken as undetermined (one phase seen, or two opposite).
+ALIAS_RATIO = 0.2
+
+
 def refuse_aliased(v: np.ndarray, period: float, harmonics: int, unit: str | None) -> None:
     """InputError when the observations are too far apart to determine the highest harmonic.
 
-    A cycle is determined only by observations less than half its period apart (Nyquist);
-    sampled more sparsely, its cos and sin columns alias onto slower ones (annual means:
-    the annual cosine is nearly the constant column), and the fit returns amplified
-    noise for every pixel, each "determined" by a full-rank design. The spacing is the
-    median over the shared observation axis, so gaps in some pixels do not count.
+    Regularly sampled, a cycle is determined only by observations less than half its
+    period apart (Nyquist); sampled more sparsely, its cos and sin columns alias onto
+    slower ones (annual means: the annual cosine is nearly the constant column), and the
+    fit returns amplified noise for every pixel, each "determined" by a full-rank design.
+    Refused: a median spacing (over the shared observation axis, so one pixel's gaps do
+    not count) of at least half the harmonic's period, when the sampling is regular
+    (the 10–90 % range of its steps within half the median) or its phases leave the
+    harmonic's cos and sin nearly collinear (singular-value ratio under
+    ``ALIAS_RATIO``); sparse irregular sampling that spreads the phases over the cycle
+    is fitted. Not caught: dense sampling in short clusters (10 days a year), which the
+    design's ``condition_number`` shows.
     """
-    steps = np.diff(np.unique(v))
+    times = np.unique(v)
+    steps = np.diff(times)
     if steps.size == 0:
         return
     step = float(np.median(steps))
     if step <= 0 or harmonics < period / (2 * step):
         return
+    p10, p90 = np.percentile(steps, [10, 90])
+    regular = (p90 - p10) <= 0.5 * step  # monthly (28–31 days) and 16-day data are
+    phase = 2 * np.pi * harmonics * (times - times[0]) / period
+    s = np.linalg.svd(np.stack([np.cos(phase), np.sin(phase)], axis=1), compute_uv=False)
+    if not regular and s[-1] >= ALIAS_RATIO * s[0]:
+        return  # irregular sampling whose phases cover the cycle determines it
     resolved = int(np.ceil(period / (2 * step))) - 1  # the largest k with period / k > 2 step
     what = unit.split(" since ")[0] if unit else "obs-coordinate units"
     if resolved >= 1:

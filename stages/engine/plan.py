@@ -243,7 +243,7 @@ def run_locally(
     """Run ``plan`` in this process with the generic runner (no Prefect); the refs by kind.
 
     Tiles run ``max_workers`` at a time (threads, as the flow's default runner does);
-    ``on_tile(kind, done, total)`` is called as each tile finishes.
+    ``on_tile(kind, done, total)`` is called for each finished tile, in plan order.
     """
     from gridsolve.stages.engine.runner import prepare_stage, run_stage, run_tile
 
@@ -276,11 +276,14 @@ def run_locally(
                 return run_tile(s.config, inputs, prepared[s.kind], t, sctx).ref
 
             by_index: dict[int, ArtifactRef] = {}
-            with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
+            pool = ThreadPoolExecutor(max_workers=max(1, max_workers))
+            try:
                 for t, ref in zip(tile_list, pool.map(one, tile_list), strict=True):
                     by_index[t.index] = ref
                     if on_tile is not None:
                         on_tile(s.kind, len(by_index), len(tile_list))
+            finally:  # a failed tile stops the rest that have not started
+                pool.shutdown(wait=True, cancel_futures=True)
             tile_refs[s.kind] = by_index
             refs[s.kind] = tiled_ref(s, prepared[s.kind], [by_index[t.index] for t in tile_list])
     return refs

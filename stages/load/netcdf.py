@@ -608,7 +608,7 @@ class MaskCount:
         self.masked = self.masked + masked
         self.size += size
 
-    def report(self, name: str) -> None:
+    def report(self, name: str, where: str = "") -> None:
         """Warn (once) when the range masked more than MASK_WARN_FRACTION, or its type is odd.
 
         ContractError for a range whose minimum is above its maximum (it masks every
@@ -632,7 +632,7 @@ class MaskCount:
         share = masked / self.size
         if share <= MASK_WARN_FRACTION and not b.odd:
             return
-        if not say_once(f"masked: {name} {b.text} {masked} {self.size} {self.differ}"):
+        if not say_once(f"masked: {where} {name} {b.text} {masked} {self.size} {self.differ}"):
             return
         log.warning(
             "variable %r: %s marks %.1f%% of its values missing (%d of %d), %s%s; check "
@@ -1213,7 +1213,7 @@ def _report_masking(
     for role, name in selected.items():
         count = sets.get(name) if len(path.files) > 1 else stats[role]["valid"]
         if count is not None:
-            count.report(name)
+            count.report(name, str(path))
 
 
 def _cube_name(config: NetCDFLoad, ds: xr.Dataset) -> str:
@@ -1478,14 +1478,16 @@ def _scalar_value(c: xr.DataArray) -> tuple[Any, str] | None:
     """A 0-d coordinate's value as JSON and its kind (a dtype, 'datetime' or 'str')."""
     v = np.asarray(c.values)
     if v.dtype.kind == "M":
-        return str(v.astype("datetime64[s]")), "datetime"
+        return str(v.astype("datetime64[ns]")), "datetime"
     if v.dtype.kind in "iub":
         return int(v), v.dtype.str
     if v.dtype.kind == "f":
         return float(v), v.dtype.str
-    if v.dtype.kind in "USO":
-        return str(v), "str"
-    return None
+    if v.dtype.kind == "S":
+        return bytes(v.item()).decode("utf-8", "replace"), "str"
+    if v.dtype.kind == "U" or isinstance(v.item(), str):
+        return str(v.item()), "str"
+    return None  # cftime dates and other objects: not carried
 
 
 def _extra_coords(

@@ -265,6 +265,8 @@ def _trend_variables(
     name = design.meta["columns"][col]
     unit = per_unit(units, trend.get("per"))
     what = f"the coefficient of design column {name!r} divided by the design's t_scale"
+    if len(design.meta["columns"]) > col + 1 and design.meta.get("basis") == "polynomial":
+        what += " (with higher powers in the design: the slope at its centre time t_centre)"
     out = [
         OutputVariable(
             "trend",
@@ -326,13 +328,15 @@ def _trend_variables(
 def reference_time(design_meta: Mapping[str, object]) -> dict[str, str]:
     """``{"reference_time": ISO date}`` of the design's centre on a time axis, else {}.
 
-    The centre ``t_centre`` is in ``t_units`` (``days since 1970-01-01`` for datetimes,
-    a stored time's own units otherwise); only the former is turned into a date here.
+    The centre ``t_centre`` is in ``t_units``: ``days since 1970-01-01`` for datetimes
+    (turned into a date here), a stored time's own units otherwise (given in them).
     """
     units = str(design_meta.get("t_units") or "")
     centre = design_meta.get("t_centre")
-    if units != "days since 1970-01-01" or not isinstance(centre, int | float):
-        return {"reference_time": f"{centre} {units}".strip()} if units else {}
+    if " since " not in units or not isinstance(centre, int | float):
+        return {}  # not a time axis: peak_offset counts from t_centre (design's attributes)
+    if units != "days since 1970-01-01":  # a stored time in its own units
+        return {"reference_time": f"{centre:g} {units}"}
     when = np.datetime64("1970-01-01T00:00:00") + np.timedelta64(round(centre * 86400), "s")
     return {"reference_time": str(when)}
 

@@ -125,3 +125,25 @@ def test_obs_axis_days_are_unchanged_for_valid_datetimes() -> None:
     days, unit = obs_axis(np.array(["1970-01-02", "2021-01-01T12"], dtype="datetime64[ns]"), "d")
     np.testing.assert_array_equal(days, [1.0, 18628.5])
     assert unit == "days since 1970-01-01"
+
+
+@pytest.mark.parametrize(
+    ("times", "harmonics", "refused"),
+    [
+        (np.arange(40) * 365.25, 1, True),  # annual means
+        (np.cumsum(np.random.default_rng(0).uniform(360, 370, 40)), 1, True),  # near-annual
+        (np.arange(0, 3650, 16.0), 12, True),  # 16-day composites: 12 per year aliases
+        (np.arange(0, 3650, 16.0), 11, False),
+        (np.cumsum(np.random.default_rng(0).uniform(150, 300, 60)), 1, False),  # irregular
+    ],
+)
+def test_sparse_sampling_is_refused_when_regular_and_fitted_when_its_phases_cover_the_cycle(
+    times: np.ndarray, harmonics: int, refused: bool
+) -> None:
+    from gridsolve.stages.design.builtin import refuse_aliased
+
+    if refused:
+        with pytest.raises(InputError, match="too far apart"):
+            refuse_aliased(times, 365.25, harmonics, "days since 1970-01-01")
+    else:
+        refuse_aliased(times, 365.25, harmonics, "days since 1970-01-01")
