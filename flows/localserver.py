@@ -246,18 +246,20 @@ def api_refusal(api: str, auth: str | None, timeout: float = 10.0) -> str | None
 def database_summary() -> str:
     """Which database a Prefect server started from this environment uses (no password).
 
-    Prefect's own settings decide (PREFECT_API_DATABASE_CONNECTION_URL or its parts, the
-    active profile); SQLite in PREFECT_HOME when nothing is set.
+    Read from PREFECT_API_DATABASE_CONNECTION_URL (or its legacy name) without importing
+    Prefect or SQLAlchemy: the `gridsolve server` wrapper that prints it stays small
+    (tests/flows/test_wrappers.py). SQLite in PREFECT_HOME when nothing is set.
     """
-    from prefect.settings import get_current_settings
-    from sqlalchemy.engine import make_url
+    from urllib.parse import urlsplit
 
-    secret = get_current_settings().server.database.connection_url
-    url = make_url(secret.get_secret_value()) if secret is not None else None
-    if url is None or url.get_backend_name() == "sqlite":
-        where = url.database if url is not None else "PREFECT_HOME"
+    raw = os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL") or os.environ.get(
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL", ""
+    )
+    url = urlsplit(raw) if raw else None
+    if url is None or url.scheme.startswith("sqlite"):
+        where = (url.path.removeprefix("/") if url is not None else "") or "PREFECT_HOME"
         return (
             f"database: SQLite at {where} (one user; for a team or many runs at once, "
             "PostgreSQL: docs/operations.md)"
         )
-    return f"database: PostgreSQL at {url.host}:{url.port or 5432}/{url.database}"
+    return f"database: PostgreSQL at {url.hostname}:{url.port or 5432}{url.path}"

@@ -129,16 +129,16 @@ def test_a_supervisor_killed_outright_takes_its_prefect_process_down(
                 os.kill(c, signal.SIGKILL)
 
 
-def test_the_server_names_its_database_and_never_its_password(tmp_path: Path) -> None:
-    from prefect.settings import temporary_settings
-
+def test_the_server_names_its_database_and_never_its_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from gridsolve.flows.localserver import database_summary
 
     db = tmp_path / "prefect.db"
-    with temporary_settings({"PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{db}"}):
-        said = database_summary()
+    monkeypatch.setenv("PREFECT_API_DATABASE_CONNECTION_URL", f"sqlite+aiosqlite:///{db}")
+    said = database_summary()
     assert said.startswith(f"database: SQLite at {db}") and "PostgreSQL" in said, said
     url = "postgresql+asyncpg://prefect:s3cret-pw@db.example:5433/prefect"
-    with temporary_settings({"PREFECT_API_DATABASE_CONNECTION_URL": url}):
-        said = database_summary()
+    monkeypatch.setenv("PREFECT_API_DATABASE_CONNECTION_URL", url)
+    said = database_summary()
     assert said == "database: PostgreSQL at db.example:5433/prefect", said
