@@ -48,6 +48,7 @@ from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.schemas.kinds.train import NoTrain
 from gridsolve.schemas.kinds.write import NetCDFWrite
+from gridsolve.schemas.metadata import Published
 from gridsolve.schemas.pipeline import (
     DEMO,
     DesignField,
@@ -728,7 +729,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
             if step.decl.describe is not None:
                 logger.info("%s: %s", step.kind, step.decl.describe(run.ref.meta))
             if tiles is not None:  # a stage after the tiles: the writer names the output
-                output = str(run.ref.meta.get("path", output))
+                output = Published.of(run.ref).path or output
             continue
         prepared = _prepare(seg.steps, refs, cfg, opts)
         if tiles is None:

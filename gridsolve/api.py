@@ -34,6 +34,7 @@ from gridsolve.schemas.artifacts import ArtifactRef
 from gridsolve.schemas.base import StageConfig
 from gridsolve.schemas.errors import ConfigError, InputError
 from gridsolve.schemas.execution import CacheConfig, ExecutionConfig
+from gridsolve.schemas.metadata import WriteMeta
 from gridsolve.schemas.pipeline import PipelineConfig, build_config, section
 
 if TYPE_CHECKING:
@@ -353,7 +354,7 @@ def fit(
             )
         wrote = refs["write"]
         assert isinstance(wrote, ArtifactRef)  # the writer is a whole stage
-        written = Path(str(wrote.meta.get("path", output)))
+        written = Path(WriteMeta.of(wrote).path)
         with xr.open_dataset(written) as out:
             result = out.load()
     # Provenance names no temporary file that is gone by now.

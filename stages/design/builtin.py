@@ -24,6 +24,7 @@ from gridsolve.schemas.kinds.design import (
     RandomDesign,
     VariableDesign,
 )
+from gridsolve.schemas.metadata import DesignMeta, LoadMeta
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
@@ -50,9 +51,9 @@ YEAR_DAYS = {
 }
 
 
-def stored_time(load_meta: Mapping[str, Any]) -> tuple[str, str] | None:
+def stored_time(load: LoadMeta) -> tuple[str, str] | None:
     """(units, calendar) of an obs coordinate kept as stored CF time numbers; else None."""
-    attrs = (load_meta.get("coord_attrs") or {}).get("obs") or {}
+    attrs = load.coord_attrs.get("obs") or {}
     units, calendar = attrs.get("units"), attrs.get("calendar")
     if isinstance(units, str) and " since " in units and isinstance(calendar, str):
         return units, calendar
@@ -108,11 +109,11 @@ def obs_axis(
     return axis.astype(np.float64), unit
 
 
-def axis_unit(load_meta: Mapping[str, Any], values: np.ndarray) -> str | None:
+def axis_unit(load: LoadMeta, values: np.ndarray) -> str | None:
     """The unit one step of the raw obs axis is in ("day" for datetimes); None if unknown."""
-    if np.issubdtype(values.dtype, np.datetime64) or stored_time(load_meta) is not None:
+    if np.issubdtype(values.dtype, np.datetime64) or stored_time(load) is not None:
         return "day"
-    units = (load_meta.get("coord_attrs", {}).get("obs") or {}).get("units")
+    units = (load.coord_attrs.get("obs") or {}).get("units")
     if isinstance(units, str) and units.strip() and "since" not in units:
         return units.strip()
     return None
@@ -182,13 +183,13 @@ def run_variable(
             fix="set load.design to the name of a variable with dims (obs, coef)",
         )
     A = np.array(load.array("design"))
-    cols = load.meta.get("design_columns") or [f"c{i}" for i in range(A.shape[1])]
-    aux = load.meta["aux"]["design"]
-    units = aux.get("units")
+    meta = LoadMeta.of(load)
+    cols = meta.design_columns or [f"c{i}" for i in range(A.shape[1])]
+    aux = meta.aux["design"]
     return _output(
         A,
         cols,
-        {"basis": "variable", "variable": aux["name"], "column_units": [units] * A.shape[1]},
+        {"basis": "variable", "variable": aux.name, "column_units": [aux.units] * A.shape[1]},
     )
 
 
@@ -197,11 +198,11 @@ def run_polynomial(
 ) -> StageOutput:
     """Columns t**0 … t**degree of the (scaled) observation coordinate."""
     raw = inputs["load"].array("obs")
-    v, unit = obs_axis(raw, "design/polynomial", stored_time(inputs["load"].meta))
+    v, unit = obs_axis(raw, "design/polynomial", stored_time(LoadMeta.of(inputs["load"])))
     centre, half = centre_scale(v) if config.scale else (0.0, 1.0)
     t = (v - centre) / half
     A = np.stack([t**k for k in range(config.degree + 1)], axis=1)
-    step = axis_unit(inputs["load"].meta, raw)
+    step = axis_unit(LoadMeta.of(inputs["load"]), raw)
     # Scaled columns are pure numbers; raw ones carry the axis unit to their power.
     col_units = ["1" if config.scale else power_unit(step, k) for k in range(config.degree + 1)]
     return _output(
@@ -223,7 +224,8 @@ def run_harmonic(
 ) -> StageOutput:
     """Mean, optional trend, and cos/sin of 2πk(v - centre)/period for k = 1…harmonics."""
     raw = inputs["load"].array("obs")
-    time = stored_time(inputs["load"].meta)
+    load = LoadMeta.of(inputs["load"])
+    time = stored_time(load)
     v, unit = obs_axis(raw, "design/harmonic", time)
     centre, half = centre_scale(v)
     if config.period is not None:
@@ -247,7 +249,7 @@ def run_harmonic(
         harmonics.append({"k": k, "cos": len(cols), "sin": len(cols) + 1})
         cols += [np.cos(w), np.sin(w)]
         names += [f"cos{k}", f"sin{k}"]
-    step = axis_unit(inputs["load"].meta, raw)
+    step = axis_unit(load, raw)
     return _output(
         np.stack(cols, axis=1),
         names,
@@ -324,7 +326,7 @@ def run_random(
     config: RandomDesign, inputs: Mapping[str, Artifact], ctx: StageContext
 ) -> StageOutput:
     """A seeded standard-normal matrix (obs × coef)."""
-    n_obs = int(inputs["load"].meta["n_obs"])
+    n_obs = LoadMeta.of(inputs["load"]).n_obs
     A = np.random.default_rng(config.seed).standard_normal((n_obs, config.coef))
     return _output(
         A,
@@ -335,7 +337,7 @@ def run_random(
 
 def describe(meta: Mapping[str, Any]) -> str:
     """The design's size and conditioning, for the run log."""
-    return f"{meta['coef']} coefficients, rank {meta['rank']}, condition number {meta['cond']:.3g}"
+    return DesignMeta.of(meta).describe()
 
 
 for _impl, _cfg, _fn, _summary in (

@@ -3,17 +3,8 @@
 from __future__ import annotations
 
 from gridsolve.schemas.contracts import ArraySpec
-from gridsolve.stages.engine.contract import KindContract, Meta, PartContract, add
-
-
-class DesignMeta(Meta):
-    """What later stages and the writer read about the design."""
-
-    coef: int
-    rank: int
-    cond: float
-    columns: list[str]
-
+from gridsolve.schemas.metadata import DesignMeta
+from gridsolve.stages.engine.contract import KindContract, PartContract, add
 
 CONTRACT = add(
     KindContract(

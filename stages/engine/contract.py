@@ -4,7 +4,7 @@ A :class:`KindContract` says whether the kind runs whole or tile by tile, and
 for each part it runs (``whole``, ``prepare``, ``tile``) which arrays it must
 return (:class:`ArraySpec`: named dims, dtype kinds; a tile's ``y``/``x``
 sizes are bound to the tile) and which metadata (a pydantic model: required
-keys and their types; implementations may add more), and what its arrays
+keys and their types, ``schemas/metadata.py``; implementations may add more), and what its arrays
 become in the output file (``variables``, see ``stages/engine/outputs.py``:
 the writers know no kind). Each kind writes its
 contract in ``stages/<kind>/contract.py`` and adds it here; the registry
@@ -21,18 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from gridsolve.schemas.contracts import ArraySpec, array_violations
 from gridsolve.schemas.errors import ContractError
+from gridsolve.schemas.metadata import Meta
 
 Part = Literal["whole", "prepare", "tile"]
-
-
-class Meta(BaseModel):
-    """Base of a kind's metadata contract: the keys listed are required, others allowed."""
-
-    model_config = ConfigDict(extra="allow")
 
 
 @dataclass(frozen=True)

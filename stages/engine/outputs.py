@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from gridsolve.schemas.metadata import DesignMeta, LoadMeta
 from gridsolve.stages.engine.contract import contract_of
 from gridsolve.stages.engine.store import Artifact, TiledArtifact
 
@@ -83,9 +84,19 @@ class OutputContext:
     own: TiledArtifact
 
     @property
+    def load_meta(self) -> LoadMeta:
+        """The load's metadata, typed."""
+        return LoadMeta.of(self.load)
+
+    @property
+    def design_meta(self) -> DesignMeta:
+        """The design's metadata, typed."""
+        return DesignMeta.of(self.design)
+
+    @property
     def data_units(self) -> str | None:
         """The input data's units (None: not given)."""
-        units = self.load.meta["attrs"].get("units")
+        units = self.load_meta.attrs.get("units")
         return None if units is None else str(units)
 
     def coefficient_units(self) -> list[str | None]:
@@ -158,8 +169,9 @@ def squared_unit(units: str) -> str | None:
 
 def coefficient_units(load: Artifact, design: Artifact) -> list[str | None]:
     """Units of each coefficient: the data's units over its design column's (None: unknown)."""
-    units = load.meta["attrs"].get("units")
-    cols = design.meta.get("column_units") or [None] * len(design.meta["columns"])
+    units = LoadMeta.of(load).attrs.get("units")
+    typed = DesignMeta.of(design)
+    cols = typed.column_units or [None] * len(typed.columns)
     return [per_unit(units, c) for c in cols]
 
 

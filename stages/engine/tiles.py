@@ -8,13 +8,7 @@ per-tile cache entries exist.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import numpy as np
-
 from gridsolve.schemas.artifacts import Tile
-from gridsolve.schemas.errors import StageError
 
 
 def plan_tiles(
@@ -54,26 +48,3 @@ def plan_tiles(
                 Tile(index=len(tiles), y0=y0, y1=min(ny, y0 + rows), x0=x0, x1=min(nx, x0 + cols))
             )
     return tiles
-
-
-def plane_window(meta: Mapping[str, Any], tile: Tile) -> dict[str, Any]:
-    """The ``.isel`` window of ``tile`` in the cube's own dims.
-
-    The grid's rows are the cube's batch dims (member, level, …) and y folded
-    together, in C order: row ``r`` is y ``r % ny`` of plane ``r // ny``. A tile
-    never spans two planes (the load implementation's ``grid``), so its window is one hyperslab.
-    """
-    ny = int(meta["ny"])
-    plane, r0 = divmod(tile.y0, ny)
-    if r0 + (tile.y1 - tile.y0) > ny:
-        raise StageError(
-            f"tile rows {tile.y0}:{tile.y1} span two planes of {ny} rows",
-            stage="load",
-            fix="plan tiles with the load stage's grid (its plane rows)",
-        )
-    lead = list(meta.get("lead_dims") or [])
-    index = np.unravel_index(plane, tuple(meta.get("lead_shape") or ())) if lead else ()
-    window: dict[str, Any] = {d: int(i) for d, i in zip(lead, index, strict=True)}
-    window[meta["y_dim"]] = slice(r0, r0 + tile.y1 - tile.y0)
-    window[meta["x_dim"]] = slice(tile.x0, tile.x1)
-    return window

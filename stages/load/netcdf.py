@@ -38,6 +38,7 @@ from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.contracts import numeric_kind
 from gridsolve.schemas.errors import ContractError, GridsolveError, InputError, StageError
 from gridsolve.schemas.kinds.load import DemoLoad, IndexRange, LabelRange, NetCDFLoad
+from gridsolve.schemas.metadata import LoadMeta
 from gridsolve.schemas.pipeline import suggest
 from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.context import StageContext
@@ -50,9 +51,7 @@ from gridsolve.stages.engine.hashing import (
 )
 from gridsolve.stages.engine.registry import SOURCE, StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput
-from gridsolve.stages.engine.tiles import plane_window
 from gridsolve.stages.load import files as filesets
-from gridsolve.stages.load.contract import grid_shape
 from gridsolve.stages.load.demo import demo_file
 from gridsolve.stages.load.patterns import GridPatterns
 
@@ -1187,11 +1186,12 @@ def _scan(config: NetCDFLoad, ds: xr.Dataset, path: Source, var: str) -> Scan:
         ).astype(np.float64)
     meta = _meta(cube, coord_attrs, coord_cf, history, stats["cube"], aux, design_columns)
     meta.update(extra_meta)
-    meta["selection"] = [[d, p if isinstance(p, int) else list(p)] for d, p in path.positions]
-    if meta["selection"]:
+    selection = [[d, p if isinstance(p, int) else list(p)] for d, p in path.positions]
+    meta["selection"] = selection
+    if selection:
         # Tiles read these positions: two files with the same selected values at other
         # positions must not share a key (their artifacts would send reads astray).
-        digests["selection"] = hash_text(canonical_json(meta["selection"]))
+        digests["selection"] = hash_text(canonical_json(selection))
     meta["digests"] = digests
     digest = hash_text(canonical_json(digests))
     meta["content_hash"] = digest
@@ -1743,14 +1743,15 @@ def _check_unchanged(meta: Mapping[str, Any]) -> Source:
             fix="open the load stage's output through stages.runner, which attaches "
             "where the input is (stages.load.locate)",
         )
-    content = meta["content_hash"]
+    typed = LoadMeta.of(meta)
+    content = typed.content_hash
     if "source" in src:
-        base = Source.from_description(src["source"], meta.get("selection") or [])
+        base = Source.from_description(src["source"], typed.selection)
         changed = _set_changed(src) if src.get("content") == content else base.path
         unchanged = changed is None
         what = f"input file {changed}" + (f" (in the Zarr store {base.path})" if base.zarr else "")
     else:
-        base = Source.from_description({"path": path}, meta.get("selection") or [])
+        base = Source.from_description({"path": path}, typed.selection)
         try:
             now: dict[str, int] | None = file_identity(path)
         except FileNotFoundError:
@@ -1777,12 +1778,13 @@ def read_block(meta: Mapping[str, Any], role: str, tile: Tile) -> np.ndarray:
     ``meta`` is the load stage's output as the runner opens it, with this run's source.
     """
     path = _check_unchanged(meta)
-    name = meta["variable"] if role == "cube" else meta["aux"][role]["name"]
-    y_dim, x_dim, obs_dim = meta["y_dim"], meta["x_dim"], meta["obs_dim"]
+    typed = LoadMeta.of(meta)
+    name = typed.variable if role == "cube" else typed.aux[role].name
+    y_dim, x_dim, obs_dim = typed.y_dim, typed.x_dim, typed.obs_dim
     ds = path.open_selected()
     try:
         var = ds[name]
-        window = {d: v for d, v in plane_window(meta, tile).items() if d in var.dims}
+        window = {d: v for d, v in typed.plane_window(tile).items() if d in var.dims}
         lead = [d for d in var.dims if d not in window]
         if role in ("cube", "weights"):
             lead = [obs_dim]
@@ -2005,11 +2007,12 @@ def _netcdf_config(
 def grid(meta: Mapping[str, Any]) -> tuple[int, int, int]:
     """(rows, columns, rows per plane) of the grid the run is tiled over.
 
-    Rows are the cube's batch dims and y folded together (:func:`plane_window`);
+    Rows are the cube's batch dims and y folded together (``LoadMeta.plane_window``);
     a tile never crosses a plane boundary.
     """
-    rows, cols = grid_shape(meta)
-    return rows, cols, int(meta["ny"])
+    typed = LoadMeta.of(meta)
+    rows, cols = typed.grid_shape()
+    return rows, cols, typed.ny
 
 
 for _impl, _cfg, _summary in (

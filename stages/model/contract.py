@@ -3,26 +3,9 @@
 from __future__ import annotations
 
 from gridsolve.schemas.contracts import ArraySpec
-from gridsolve.stages.engine.contract import KindContract, Meta, PartContract, add
+from gridsolve.schemas.metadata import ModelPrepared, ModelTile
+from gridsolve.stages.engine.contract import KindContract, PartContract, add
 from gridsolve.stages.model import outputs
-
-
-class ModelPrepared(Meta):
-    """What the tiles, the tile plan and the writer read about the model."""
-
-    params: dict[str, list[int]]
-    input_shape: list[int]
-    n_out: int
-    dtype: str
-    wrt: str
-    jacobian: bool
-
-
-class ModelTile(Meta):
-    """Per-tile counts of each model status (summed for the run summary)."""
-
-    model_status_counts: dict[str, int]
-
 
 CONTRACT = add(
     KindContract(

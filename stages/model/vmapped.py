@@ -46,6 +46,7 @@ from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS, flag_counts
 from gridsolve.schemas.errors import ConfigError, ContractError, InputError
 from gridsolve.schemas.kinds.model import ModelConfig, ModuleModel, MultidimLinearModel
+from gridsolve.schemas.metadata import DesignMeta, LoadMeta, ModelPrepared
 from gridsolve.stages.engine.agreement import disagreements
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device, work_share
@@ -54,7 +55,6 @@ from gridsolve.stages.engine.paths import ensure_module_allowed
 from gridsolve.stages.engine.pyparse import PARSE_LOCK
 from gridsolve.stages.engine.store import Artifact, StageOutput
 from gridsolve.stages.engine.versions import module_digests
-from gridsolve.stages.load.contract import grid_shape
 from gridsolve.stages.model.multidim_linear import MultidimLinear
 
 
@@ -371,7 +371,7 @@ def prepare(config: ModelConfig, inputs: Mapping[str, Artifact], ctx: StageConte
     """Build the model once, check it against the data, store its parameters and buffers."""
     stage = _stage(config)
     shape = input_shape(config)
-    _check_input_shape(shape, int(inputs["design"].meta["coef"]), stage)
+    _check_input_shape(shape, DesignMeta.of(inputs["design"]).coef, stage)
     module = build_module(config)
     if config.weights is not None:
         apply_weights(module, load_weights(config.weights, stage), config.weights, stage)
@@ -472,18 +472,18 @@ def _one_sample_output(
 def _check_target(config: ModelConfig, inputs: Mapping[str, Artifact], n_out: int) -> None:
     """Raise unless objective mse has a target with one value per model output."""
     stage = _stage(config)
-    target = inputs["load"].meta["aux"].get("target")
+    target = LoadMeta.of(inputs["load"]).aux.get("target")
     if config.objective == "mse":
         if target is None:
             raise ConfigError(
                 "model objective 'mse' needs a target", stage=stage, fix="set load.target"
             )
-        if int(target["n_out"]) != n_out:
+        if target.n_out != n_out:
             raise ContractError(
                 "the target does not match the model's outputs",
                 stage=stage,
                 expected=f"{n_out} target value(s) per pixel",
-                found=f"{target['n_out']} in variable {target['name']!r}",
+                found=f"{target.n_out} in variable {target.name!r}",
                 fix="choose a target variable with one value per model output",
             )
 
@@ -804,9 +804,9 @@ def _tensors(
     }
 
 
-def _output_shapes(meta: Mapping[str, Any], config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def _output_shapes(meta: ModelPrepared, config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Per-pixel shape of every output array, in the order they are stored."""
-    n_out, shape = int(meta["n_out"]), tuple(meta["input_shape"])
+    n_out, shape = meta.n_out, tuple(meta.input_shape)
     want_params = config.wrt in ("params", "both")
     want_input = config.wrt in ("input", "both")
     out: dict[str, tuple[int, ...]] = {"prediction": (n_out,)}
@@ -814,7 +814,7 @@ def _output_shapes(meta: Mapping[str, Any], config: ModelConfig) -> dict[str, tu
         if kind == "jac" and not config.jacobian:
             continue
         if want_params:
-            for k, s in meta["params"].items():
+            for k, s in meta.params.items():
                 out[f"{kind}:{k}"] = (*lead, *s)
         if want_input:
             out[f"{kind}:input"] = (*lead, *shape)
@@ -930,14 +930,14 @@ def _plan_run(
     config: ModelConfig, inputs: Mapping[str, Artifact], prepared: Artifact, tile: Tile
 ) -> _TileRun:
     """The model, the pixels to run and the arrays for their outputs, for one tile."""
-    meta = prepared.meta
+    meta = ModelPrepared.of(prepared)
     device = resolve_device(config.device)
     np_dtype = np.dtype(config.dtype)
     module = build_module(config).to(device)
-    params = _tensors(prepared, "param", meta["params"], device)
-    buffers = _tensors(prepared, "buffer", meta["buffers"], device)
+    params = _tensors(prepared, "param", meta.params, device)
+    buffers = _tensors(prepared, "buffer", meta.buffers, device)
     shapes = _output_shapes(meta, config)
-    px = _tile_pixels(config, inputs, tile, int(meta["n_out"]))
+    px = _tile_pixels(config, inputs, tile, meta.n_out)
     n_px = px.X.shape[1]
     # Dense: every pixel is computed in place in the stored arrays, a pixel without finite
     # coefficients on a copy of a valid pixel's (a real input, so a forward that could fail
@@ -949,7 +949,7 @@ def _plan_run(
         px=px,
         params=params,
         buffers=buffers,
-        eager=make_kernel(module, config, tuple(meta["input_shape"])),
+        eager=make_kernel(module, config, tuple(meta.input_shape)),
         shapes=shapes,
         dtype=getattr(torch, config.dtype),
         np_dtype=np_dtype,
@@ -981,7 +981,7 @@ def _pick_kernel(
 ) -> tuple[Kernel, str]:
     """The kernel to start the tile with (compiled when asked for and checked) and its cache key."""
     kernel: Kernel = run.eager
-    grid_px = int(np.prod(grid_shape(inputs["load"].meta)))
+    grid_px = int(np.prod(LoadMeta.of(inputs["load"]).grid_shape()))
     want_compile = config.compile == "always" or (
         config.compile == "auto" and grid_px >= COMPILE_MIN_PIXELS
     )

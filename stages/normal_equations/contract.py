@@ -3,15 +3,8 @@
 from __future__ import annotations
 
 from gridsolve.schemas.contracts import ArraySpec
-from gridsolve.stages.engine.contract import KindContract, Meta, PartContract, add
-
-
-class NormalEquationsMeta(Meta):
-    """Rank and conditioning of the weighted shared design."""
-
-    rank: int
-    cond: float
-
+from gridsolve.schemas.metadata import NormalEquationsMeta
+from gridsolve.stages.engine.contract import KindContract, PartContract, add
 
 CONTRACT = add(
     KindContract(

@@ -3,22 +3,9 @@
 from __future__ import annotations
 
 from gridsolve.schemas.contracts import ArraySpec
-from gridsolve.stages.engine.contract import KindContract, Meta, PartContract, add
+from gridsolve.schemas.metadata import SolvePrepared, SolveTile
+from gridsolve.stages.engine.contract import KindContract, PartContract, add
 from gridsolve.stages.solve import outputs
-
-
-class SolvePrepared(Meta):
-    """The once-per-stage part: sizes every tile and the model stage rely on."""
-
-    coef: int
-    obs: int
-
-
-class SolveTile(Meta):
-    """Per-tile counts of each status (summed for the run summary)."""
-
-    status_counts: dict[str, int]
-
 
 CONTRACT = add(
     KindContract(

@@ -48,11 +48,11 @@ from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.contracts import STATUS_FLAGS, ArraySpec, flag_counts
 from gridsolve.schemas.errors import ContractError, NumericalError
 from gridsolve.schemas.kinds.solve import LstsqSolve
+from gridsolve.schemas.metadata import LoadMeta, SolvePrepared
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device, work_share
 from gridsolve.stages.engine.store import Artifact, StageOutput, native_order
 from gridsolve.stages.load import patterns
-from gridsolve.stages.load.contract import pixel_name
 from gridsolve.stages.solve import kernel, linalg
 
 STAGE = "solve/lstsq"
@@ -99,6 +99,17 @@ def min_valid_of(config: LstsqSolve, coef: int) -> int:
     return coef if config.policy == "cholesky" else 1
 
 
+class LstsqPrepared(SolvePrepared):
+    """The ``lstsq`` solve's own prepared metadata: the shared operator's facts."""
+
+    rank: int
+    cond: float
+    method: str
+    min_valid: int
+    abs_max: float | None = None
+    spans_const: bool = False
+
+
 @dataclass(frozen=True)
 class SharedOperator:
     """The once-per-stage part of a solve: the shared design's solution operator."""
@@ -126,20 +137,21 @@ class SharedOperator:
     @classmethod
     def from_artifact(cls, art: Artifact) -> SharedOperator:
         """Read it back from the prepared artifact."""
+        meta = LstsqPrepared.of(art)
         return cls(
             A=np.array(art.array("A")),
             sqrtw=np.array(art.array("sqrtw")),
             P=np.array(art.array("P")),
             Q=np.array(art.array("Q")) if "Q" in art else None,
-            cond=float(art.meta["cond"]),
-            rank=int(art.meta["rank"]),
-            method=str(art.meta["method"]),
-            min_valid=int(art.meta["min_valid"]),
-            data_max=art.meta.get("abs_max"),
+            cond=meta.cond,
+            rank=meta.rank,
+            method=meta.method,
+            min_valid=meta.min_valid,
+            data_max=meta.abs_max,
             identifiable=np.array(art.array("identifiable")).astype(bool)
             if "identifiable" in art
             else None,
-            spans_const=bool(art.meta.get("spans_const", False)),
+            spans_const=meta.spans_const,
             determined=np.array(art.array("determined")).astype(bool)
             if "determined" in art
             else None,
@@ -247,7 +259,7 @@ def _residual_basis(
 def prepare(config: LstsqSolve, inputs: Mapping[str, Artifact], ctx: StageContext) -> StageOutput:
     """The shared operator, stored once for every tile."""
     ne, design = inputs["normal_equations"], inputs["design"]
-    abs_max = inputs["load"].meta.get("abs_max") if "load" in inputs else None
+    abs_max = LoadMeta.of(inputs["load"]).abs_max if "load" in inputs else None
     lo, hi = FLOAT32_RANGE
     if config.dtype == "float32" and abs_max and not lo <= abs_max <= hi:
         raise NumericalError(
@@ -1365,18 +1377,19 @@ def run_tile(
 ) -> StageOutput:
     """Coefficients, residual RMS, valid counts and status of one tile."""
     load = inputs["load"]
+    load_meta = LoadMeta.of(load)
     op = SharedOperator.from_artifact(prepared)
     n_obs = op.A.shape[0]
     B = read_block(load, "cube", tile).reshape(n_obs, -1)
-    weights_info = load.meta["aux"].get("weights")
+    weights_info = load_meta.aux.get("weights")
     own_w = None
-    if weights_info is not None and not weights_info["shared"]:
+    if weights_info is not None and not weights_info.shared:
         own_w = read_block(load, "weights", tile).reshape(n_obs, -1).astype(np.float64)
     gaps = np.array(load.array("gap_patterns")) if "gap_patterns" in load else None
     ny, nx = tile.shape
 
     def where(i: int) -> str:
-        return pixel_name(load.meta, tile.y0 + i // nx, tile.x0 + i % nx)
+        return load_meta.pixel_name(tile.y0 + i // nx, tile.x0 + i % nx)
 
     out = solve_block(B, op, config, own_w, ctx.memory_budget, gaps, where)
     out.arrays = {k: v.reshape(*v.shape[:-1], ny, nx) for k, v in out.arrays.items()}

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from gridsolve.schemas.contracts import STATUS_CODES, STATUS_FLAGS
+from gridsolve.schemas.metadata import DesignMeta, SolvePrepared
 from gridsolve.stages.engine.outputs import (
     OutputContext,
     OutputVariable,
@@ -74,7 +75,7 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
     coef_units = ctx.coefficient_units()
     uniform = uniform_unit(coef_units)
     # the shared design's undetermined coefficients (see _undetermined_nan)
-    shared = [int(j) for j in ctx.own.meta.get("undetermined_columns") or ()]
+    shared = SolvePrepared.of(ctx.own).undetermined_columns
     out = [
         OutputVariable(
             "coefficients",
@@ -126,7 +127,7 @@ def _uncertainty_variables(solve: TiledArtifact, uniform: str | None) -> list[Ou
     def t_of(solved: Artifact) -> np.ndarray:
         return t_values(solved.array("coefficients"), solved.array("coef_stderr"))
 
-    scaled = solve.meta.get("cov_scale", "residual") == "residual"
+    scaled = SolvePrepared.of(solve).cov_scale == "residual"
     how = (
         "scaled by the residual variance sum(w*r^2)/dof"
         if scaled
@@ -252,20 +253,21 @@ def _trend_variables(
     With the solve's uncertainty on, also ``trend_stderr`` (the column's standard error,
     in the trend's units) and ``trend_p_value`` (the column's p-value).
     """
-    trend = design.meta.get("trend")
+    meta = DesignMeta.of(design)
+    trend = meta.trend
     if trend is None:
         return []
-    col, scale = int(trend["column"]), float(trend["scale"])
+    col, scale = trend.column, trend.scale
 
     def per_obs_unit(arts: Mapping[str, Artifact], name: str) -> np.ndarray:
         a = arts["solve"].array(name)
         value = a[col].astype(np.float64) / scale
         return _undetermined_nan(value, arts, shared, col).astype(a.dtype)
 
-    name = design.meta["columns"][col]
-    unit = per_unit(units, trend.get("per"))
+    name = meta.columns[col]
+    unit = per_unit(units, trend.per)
     what = f"the coefficient of design column {name!r} divided by the design's t_scale"
-    if len(design.meta["columns"]) > col + 1 and design.meta.get("basis") == "polynomial":
+    if len(meta.columns) > col + 1 and meta.basis == "polynomial":
         what += " (with higher powers in the design: the slope at its centre time t_centre)"
     out = [
         OutputVariable(
@@ -286,7 +288,7 @@ def _trend_variables(
     first = solve.tiles[0][1] if solve is not None and solve.tiles else None
     if solve is None or first is None or "coef_stderr" not in first:
         return out
-    scaled = solve.meta.get("cov_scale", "residual") == "residual"
+    scaled = SolvePrepared.of(solve).cov_scale == "residual"
 
     def p_of(arts: Mapping[str, Artifact]) -> np.ndarray:
         solved = arts["solve"]
@@ -325,15 +327,15 @@ def _trend_variables(
     return out
 
 
-def reference_time(design_meta: Mapping[str, object]) -> dict[str, str]:
+def reference_time(design_meta: DesignMeta) -> dict[str, str]:
     """``{"reference_time": ISO date}`` of the design's centre on a time axis, else {}.
 
     The centre ``t_centre`` is in ``t_units``: ``days since 1970-01-01`` for datetimes
     (turned into a date here), a stored time's own units otherwise (given in them).
     """
-    units = str(design_meta.get("t_units") or "")
-    centre = design_meta.get("t_centre")
-    if " since " not in units or not isinstance(centre, int | float):
+    units = design_meta.t_units or ""
+    centre = design_meta.t_centre
+    if " since " not in units or centre is None:
         return {}  # not a time axis: peak_offset counts from t_centre (design's attributes)
     if units != "days since 1970-01-01":  # a stored time in its own units
         return {"reference_time": f"{centre:g} {units}"}
@@ -350,15 +352,16 @@ def _harmonic_variables(
     and ``w = 2πk (v - t_centre) / period``: the maximum is at
     ``v = t_centre + φ period / (2πk)``, given within one period of the harmonic.
     """
-    harmonics = design.meta.get("harmonics") or []
-    if not harmonics:
+    meta = DesignMeta.of(design)
+    harmonics = meta.harmonics
+    if not harmonics or meta.period is None:
         return []
-    cos_i = np.array([h["cos"] for h in harmonics])
-    sin_i = np.array([h["sin"] for h in harmonics])
-    ks = np.array([h["k"] for h in harmonics], dtype=np.float64)[:, None, None]
-    period = float(design.meta["period"])
-    step = design.meta.get("axis_step")
-    reference = reference_time(design.meta)
+    cos_i = np.array([h.cos for h in harmonics])
+    sin_i = np.array([h.sin for h in harmonics])
+    ks = np.array([h.k for h in harmonics], dtype=np.float64)[:, None, None]
+    period = meta.period
+    step = meta.axis_step
+    reference = reference_time(meta)
 
     def amplitude(arts: Mapping[str, Artifact]) -> np.ndarray:
         a = arts["solve"].array("coefficients")

@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from gridsolve.schemas.contracts import ArraySpec
-from gridsolve.stages.engine.contract import KindContract, Meta, PartContract, add
+from gridsolve.schemas.metadata import TrainMeta
+from gridsolve.stages.engine.contract import KindContract, PartContract, add
 from gridsolve.stages.train import outputs
-
-
-class TrainMeta(Meta):
-    """What the model stage, the writer and the run summary read about a training run."""
-
-    epochs_run: int
-    steps: int
-    params: dict[str, list[int]]
-    counts: dict[str, int]
-    history: list[dict[str, Any]]
-    epsilon: float | None
-    delta: float
-    best_epoch: int | None
-    weights_epoch: int
-    weights_from: str
-
 
 CONTRACT = add(
     KindContract(

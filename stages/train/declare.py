@@ -7,6 +7,7 @@ The implementation is ``stages/train/stage.py``, imported when a training runs
 from __future__ import annotations
 
 from gridsolve.schemas.kinds.train import AdamTrain, NoTrain, SGDTrain
+from gridsolve.schemas.metadata import TrainMeta
 from gridsolve.stages.engine.registry import Lazy, StageDecl, register, register_none
 
 # 2: both losses at each epoch's final weights; best_epoch recorded without early stopping
@@ -30,12 +31,6 @@ for _impl, _cfg, _summary in (
             inputs=("load", "solve"),
             peers=("model",),
             summary=_summary,
-            describe=lambda meta: (
-                f"{meta['epochs_run']} epoch(s), {meta['steps']} steps, "
-                f"{meta['counts'].get('train_pixels', 0)} training pixels, "
-                f"weights of epoch {meta.get('weights_epoch')} ({meta.get('weights_from')}), "
-                f"last training loss "
-                f"{meta['history'][-1]['train_loss'] if meta['history'] else None}"
-            ),
+            describe=lambda meta: TrainMeta.of(meta).describe(),
         )
     )

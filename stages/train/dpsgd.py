@@ -423,32 +423,35 @@ def _group_from_json(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in group.items()}
 
 
-def state_from_arrays(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> TrainState:
-    """The :class:`TrainState` that :func:`state_to_arrays` wrote (tensors on the CPU)."""
-    if meta.get("format") != STATE_FORMAT:
-        raise ValueError(f"unknown train state format {meta.get('format')!r}")
-    names: list[str] = list(meta["params"])
+def state_from_arrays(arrays: Mapping[str, np.ndarray], state: Mapping[str, Any]) -> TrainState:
+    """The :class:`TrainState` that :func:`state_to_arrays` wrote (tensors on the CPU).
+
+    ``state`` is the checkpoint's own versioned JSON (``format``), not a kind's metadata.
+    """
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"unknown train state format {state.get('format')!r}")
+    names: list[str] = list(state["params"])
     opt_state: dict[int, dict[str, Any]] = {}
-    for pid, entries in meta["optimizer"]["state"].items():
+    for pid, entries in state["optimizer"]["state"].items():
         opt_state[int(pid)] = {
             key: _from_numpy(arrays[v["array"]]) if "array" in v else v["value"]
             for key, v in entries.items()
         }
-    groups = [_group_from_json(g) for g in meta["optimizer"]["param_groups"]]
+    groups = [_group_from_json(g) for g in state["optimizer"]["param_groups"]]
     return TrainState(
-        epoch=int(meta["epoch"]),
-        n_pixels=int(meta["n_pixels"]),
+        epoch=int(state["epoch"]),
+        n_pixels=int(state["n_pixels"]),
         params={k: _from_numpy(arrays[f"param:{k}"]) for k in names},
         optimizer={"state": opt_state, "param_groups": groups} if groups else {},
-        history=copy.deepcopy(list(meta["history"])),
-        steps=int(meta["steps"]),
+        history=copy.deepcopy(list(state["history"])),
+        steps=int(state["steps"]),
         best_params=(
-            {k: _from_numpy(arrays[f"best:{k}"]) for k in names} if meta["has_best"] else None
+            {k: _from_numpy(arrays[f"best:{k}"]) for k in names} if state["has_best"] else None
         ),
-        best_loss=None if meta["best_loss"] is None else float(meta["best_loss"]),
-        best_epoch=None if meta["best_epoch"] is None else int(meta["best_epoch"]),
-        bad_epochs=int(meta["bad_epochs"]),
-        stopped=bool(meta["stopped"]),
+        best_loss=None if state["best_loss"] is None else float(state["best_loss"]),
+        best_epoch=None if state["best_epoch"] is None else int(state["best_epoch"]),
+        bad_epochs=int(state["bad_epochs"]),
+        stopped=bool(state["stopped"]),
     )
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
+from gridsolve.schemas.metadata import LoadMeta, TrainMeta
 from gridsolve.stages.engine.outputs import Extension
 from gridsolve.stages.engine.paths import WEIGHTS_SUFFIX, atomic_file
 from gridsolve.stages.engine.provenance import MARK_KEY, MARK_VALUE
@@ -51,11 +52,10 @@ def add_training(ds: xr.Dataset, train: Artifact, load: Artifact) -> None:
                 "with the weights at the end of the epoch, without clipping or noise",
             },
         )
-    meta = load.meta
-    lead, lead_shape = list(meta.get("lead_dims") or []), list(meta.get("lead_shape") or [])
+    grid = LoadMeta.of(load)
     ds["grad_norm"] = (
-        (*lead, meta["y_dim"], meta["x_dim"]),
-        np.asarray(train.array("grad_norm")).reshape(*lead_shape, meta["ny"], meta["nx"]),
+        (*grid.lead_dims, grid.y_dim, grid.x_dim),
+        np.asarray(train.array("grad_norm")).reshape(*grid.lead_shape, grid.ny, grid.nx),
         {
             "long_name": "norm of the per-pixel gradient of the training loss",
             "comment": "L2 norm over all model parameters, at the trained weights, before "
@@ -63,21 +63,21 @@ def add_training(ds: xr.Dataset, train: Artifact, load: Artifact) -> None:
             "validation. Large values mark the pixels that pull hardest on the weights.",
         },
     )
-    meta = dict(train.meta)
-    ds.attrs["gridsolve_train_epochs"] = int(meta["epochs_run"])
-    ds.attrs["gridsolve_train_steps"] = int(meta["steps"])
-    ds.attrs["gridsolve_train_pixels"] = json.dumps(meta["counts"], sort_keys=True)
-    if meta.get("best_epoch") is not None:  # None: no validation pixels
-        ds.attrs["gridsolve_train_best_epoch"] = int(meta["best_epoch"])
-    ds.attrs["gridsolve_train_weights_epoch"] = int(meta["weights_epoch"])
+    meta = TrainMeta.of(train)
+    ds.attrs["gridsolve_train_epochs"] = meta.epochs_run
+    ds.attrs["gridsolve_train_steps"] = meta.steps
+    ds.attrs["gridsolve_train_pixels"] = json.dumps(meta.counts, sort_keys=True)
+    if meta.best_epoch is not None:  # None: no validation pixels
+        ds.attrs["gridsolve_train_best_epoch"] = meta.best_epoch
+    ds.attrs["gridsolve_train_weights_epoch"] = meta.weights_epoch
     ds.attrs["gridsolve_train_weights_from"] = (
         "best validation epoch (early stopping restored it)"
-        if meta["weights_from"] == "best"
+        if meta.weights_from == "best"
         else "last epoch (no early stopping)"
     )
-    if meta.get("epsilon") is not None:
-        ds.attrs["gridsolve_train_epsilon"] = float(meta["epsilon"])
-        ds.attrs["gridsolve_train_delta"] = float(meta["delta"])
+    if meta.epsilon is not None:
+        ds.attrs["gridsolve_train_epsilon"] = meta.epsilon
+        ds.attrs["gridsolve_train_delta"] = meta.delta
 
 
 def write_weights(train: Artifact, path: Path) -> None:

@@ -40,12 +40,12 @@ from gridsolve.schemas.contracts import STATUS_CODES
 from gridsolve.schemas.errors import ContractError
 from gridsolve.schemas.kinds.model import ModelConfig
 from gridsolve.schemas.kinds.train import GradientTrain
+from gridsolve.schemas.metadata import LoadMeta, Meta, SolvePrepared
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, work_share
 from gridsolve.stages.engine.hashing import hash_text
 from gridsolve.stages.engine.pyparse import PARSE_LOCK, load_npy
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
-from gridsolve.stages.load.contract import grid_shape
 from gridsolve.stages.model import vmapped
 from gridsolve.stages.train import dpsgd
 
@@ -180,7 +180,7 @@ def _mask(
     config: GradientTrain, load: Artifact, solve: TiledArtifact, dtype: np.dtype
 ) -> tuple[np.ndarray, dict[str, int]]:
     """The usable-pixel mask of the whole grid and the exclusion counts."""
-    ny, nx = grid_shape(load.meta)
+    ny, nx = LoadMeta.of(load).grid_shape()
     mask = np.zeros((ny, nx), dtype=bool)
     counts: dict[str, int] = {}
     for tile, art in solve.tiles:
@@ -297,18 +297,20 @@ def dataset(
     training or the validation side would have no pixel.
     """
     mask, counts = _mask(config, load, solve, dtype)
+    grid = LoadMeta.of(load)
+    target_info = grid.aux["target"]
     # The split is drawn on the map (y, x) and repeated over the batch dims' planes, so a
     # location is on one side for every member/level: no leak between the two sides.
-    map_shape = (int(load.meta["ny"]), int(load.meta["nx"]))
+    map_shape = (grid.ny, grid.nx)
     plane = dpsgd.block_split(*map_shape, config.validation_fraction, config.seed)
     planes = mask.shape[0] // plane.shape[0]
     held = np.tile(plane, (planes, 1))[mask]
     counts["train_pixels"] = int((~held).sum())
     counts["validation_pixels"] = int(held.sum())
-    check_split(config, counts, map_shape, str(load.meta["aux"]["target"]["name"]))
+    check_split(config, counts, map_shape, target_info.name)
     n = int(mask.sum())
-    n_coef = int(solve.prepared.meta["coef"])
-    n_out = int(load.meta["aux"]["target"]["n_out"])
+    n_coef = SolvePrepared.of(solve.prepared).coef
+    n_out = target_info.n_out
     rank = np.cumsum(mask.ravel()).reshape(mask.shape) - 1  # raster position among usable
     rows = Rows.create(folder, n, n_coef, n_out, dtype, budget)
     for tile, art in solve.tiles:
@@ -349,13 +351,19 @@ def _epoch_key(stage_key: str, epoch: int) -> str:
     return hash_text(f"{stage_key}/train-epoch/{epoch}")
 
 
+class EpochCheckpoint(Meta):
+    """An epoch checkpoint's metadata: the training state (:func:`dpsgd.state_to_arrays`)."""
+
+    state: dict[str, Any]
+
+
 def _resume(config: GradientTrain, ctx: StageContext) -> dpsgd.TrainState | None:
     """The state of the last epoch a killed run of this stage stored, if any."""
     for epoch in range(config.epochs, 0, -1):
         key = _epoch_key(ctx.key, epoch)
         if ctx.store.check(key)[0] == "hit":
             art = ctx.store.get(key)
-            return dpsgd.state_from_arrays(art.arrays(), art.meta["state"])
+            return dpsgd.state_from_arrays(art.arrays(), EpochCheckpoint.of(art).state)
     return None
 
 
@@ -452,7 +460,8 @@ def run(config: GradientTrain, inputs: Mapping[str, Any], ctx: StageContext) -> 
     model = ctx.peers["model"]
     assert isinstance(model, ModelConfig)
     load, solve = inputs["load"], inputs["solve"]
-    if load.meta["aux"].get("target") is None:
+    target = LoadMeta.of(load).aux.get("target")
+    if target is None:
         raise ContractError(
             "training needs a target, and the input has none",
             stage=_stage(config),
@@ -461,9 +470,7 @@ def run(config: GradientTrain, inputs: Mapping[str, Any], ctx: StageContext) -> 
     module, params = _initial(model)
     dtype = np.dtype(model.dtype)
     shape = tuple(vmapped.input_shape(model))
-    check_outputs_match_target(
-        config, module, params, shape, int(load.meta["aux"]["target"]["n_out"]), model.impl
-    )
+    check_outputs_match_target(config, module, params, shape, target.n_out, model.impl)
     resumed = _resume(config, ctx)
     with ctx.store.scratch() as folder:
         data = dataset(config, load, solve, folder, dtype, work_share(ctx.memory_budget))

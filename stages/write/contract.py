@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-from gridsolve.stages.engine.contract import KindContract, Meta, PartContract, add
-
-
-class WriteMeta(Meta):
-    """Where the output is (the run summary names it)."""
-
-    path: str
-
+from gridsolve.schemas.metadata import WriteMeta
+from gridsolve.stages.engine.contract import KindContract, PartContract, add
 
 CONTRACT = add(
     KindContract(

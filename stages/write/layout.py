@@ -21,6 +21,7 @@ import xarray as xr
 
 from gridsolve.schemas.errors import ContractError
 from gridsolve.schemas.kinds.write import NetCDFWrite, ZarrWrite
+from gridsolve.schemas.metadata import DesignMeta, LoadMeta
 from gridsolve.stages.engine import registry
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.contract import contract_of
@@ -89,7 +90,8 @@ def output_variables(
     describes come from the kind's contract. ``layout: flat`` folds each
     variable's leading dims into one (what CDO and Panoply read).
     """
-    y, x = load.meta["y_dim"], load.meta["x_dim"]
+    grid = LoadMeta.of(load)
+    y, x = grid.y_dim, grid.x_dim
     described: list[OutputVariable] = []
     for kind, art in tiled.items():
         ctx = OutputContext(load, design, art)
@@ -104,7 +106,7 @@ def output_variables(
     kept += contract_variables(tiled, described)
     labels = " ".join(_coef_labels(coefficient_units(load, design)))
     # the input's scalar and 2-D grid coordinates apply to every variable on the grid
-    carried = [*(load.meta.get("grid_coords") or {}), *(load.meta.get("scalar_coords") or {})]
+    carried = [*grid.grid_coords, *grid.scalar_coords]
     for v in kept:
         if v.dims[-2:] != GRID_ROLES:
             raise ContractError(
@@ -139,19 +141,20 @@ def _coord_attrs(info: Mapping[str, Any]) -> dict[str, Any]:
 
 def _design_attrs(design: Artifact) -> dict[str, Any]:
     """Attributes of the design variable: basis, conditioning, units, the time scaling."""
+    meta = DesignMeta.of(design)
     design_attrs: dict[str, Any] = {
         "long_name": "design matrix used for the fit",
-        "basis": design.meta.get("basis", ""),
-        "condition_number": float(design.meta["cond"]),
-        "rank": int(design.meta["rank"]),
+        "basis": meta.basis,
+        "condition_number": meta.cond,
+        "rank": meta.rank,
     }
-    col_units = design.meta.get("column_units") or []
+    col_units = meta.column_units or []
     if col_units and len(set(col_units)) == 1 and col_units[0] is not None:
         design_attrs["units"] = col_units[0]
     for k in ("t_centre", "t_scale", "t_units", "period"):
-        if k in design.meta:
-            design_attrs[k] = design.meta[k]
-    if "t_centre" in design.meta:
+        if k in meta.model_fields_set:  # the design gave it (a None would be a bad attribute)
+            design_attrs[k] = getattr(meta, k)
+    if "t_centre" in meta.model_fields_set:
         design_attrs["comment"] = (
             "columns are functions of t = (v - t_centre) / t_scale, v the obs coordinate "
             "in t_units; a coefficient per unit of v is the coefficient / t_scale**power"
@@ -161,28 +164,28 @@ def _design_attrs(design: Artifact) -> dict[str, Any]:
 
 def skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.Dataset:
     """Coordinates, bounds, coef labels and the design matrix, encoded as CF wants them."""
-    meta = load.meta
-    obs_dim, y, x = meta["obs_dim"], meta["y_dim"], meta["x_dim"]
-    cf = meta.get("coord_cf") or {}
-    cols = design.meta["columns"]
+    meta = LoadMeta.of(load)
+    obs_dim, y, x = meta.obs_dim, meta.y_dim, meta.x_dim
+    cf = meta.coord_cf
+    cols = DesignMeta.of(design).columns
     coords: dict[str, Any] = {}
     bounds: dict[str, Any] = {}
     roles = [("obs", obs_dim), ("y", y), ("x", x)]
-    roles += [(f"lead:{d}", d) for d in meta.get("lead_dims") or []]
+    roles += [(f"lead:{d}", d) for d in meta.lead_dims]
     for role, dim in roles:
-        info = cf.get(role) or {"attrs": meta["coord_attrs"][role]}
+        info = cf.get(role) or {"attrs": meta.coord_attrs[role]}
         coords[dim] = (dim, np.asarray(load.array(role)), _coord_attrs(info))
         if info.get("bounds") and f"{role}_bounds" in load:
             b = info["bounds"]
             bounds[b["name"]] = (tuple(b["dims"]), np.asarray(load.array(f"{role}_bounds")))
-    for name, info in (meta.get("scalar_coords") or {}).items():
+    for name, info in meta.scalar_coords.items():
         kind = info["kind"]
         if kind == "datetime":
             value = np.array(np.datetime64(info["value"], "ns"))
         else:
             value = np.array(info["value"], dtype=None if kind == "str" else np.dtype(kind))
         coords[name] = ((), value, dict(info["attrs"]))
-    for name, info in (meta.get("grid_coords") or {}).items():
+    for name, info in meta.grid_coords.items():
         coords[name] = ((y, x), np.asarray(load.array(f"aux:{name}")), dict(info["attrs"]))
     coords["coef"] = (
         "coef",
@@ -190,7 +193,7 @@ def skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.D
         {"long_name": "design column", "units": "1"},
     )
     coords["coef_name"] = ("coef", np.array(cols, dtype=str), {"long_name": "design column name"})
-    n_harmonics = len(design.meta.get("harmonics") or [])
+    n_harmonics = len(DesignMeta.of(design).harmonics)
     if n_harmonics:
         coords["harmonic"] = (
             "harmonic",
@@ -294,35 +297,28 @@ def run_attrs(
         configs[kind] = {"impl": made["impl"], **made["config"], **source.get("paths", {})}
         keys[kind] = art.key
         if kind == "load":
-            configs[kind].update(resolved_input(art.meta, source))
+            configs[kind].update(resolved_input(LoadMeta.of(art), source))
     configs["write"] = config.key_payload()
     keys["write"] = ctx.key
-    return provenance(
-        configs,
-        keys,
-        inputs["load"].meta["content_hash"],
-        history=inputs["load"].meta.get("history", ""),
-    )
+    load = LoadMeta.of(inputs["load"])
+    return provenance(configs, keys, load.content_hash, history=load.history)
 
 
 #: Up to this many matched files are listed by name in the provenance; more by digest.
 LISTED_FILES = 100
 
 
-def resolved_input(meta: Mapping[str, Any], source: Mapping[str, Any]) -> dict[str, Any]:
+def resolved_input(meta: LoadMeta, source: Mapping[str, Any]) -> dict[str, Any]:
     """What a load config resolved to this run: the dims it used, the files a glob matched.
 
     A config may leave the dims to CF metadata and name files by a glob; the output
     says which dims and files were read (a long list as a count and a digest of the
     sorted names).
     """
-    out: dict[str, Any] = {
-        "resolved_dims": {
-            role: meta[f"{role}_dim"] for role in ("obs", "y", "x") if meta.get(f"{role}_dim")
-        }
-    }
-    if meta.get("lead_dims"):
-        out["resolved_dims"]["batch"] = list(meta["lead_dims"])
+    dims = {"obs": meta.obs_dim, "y": meta.y_dim, "x": meta.x_dim}
+    out: dict[str, Any] = {"resolved_dims": {role: d for role, d in dims.items() if d}}
+    if meta.lead_dims:
+        out["resolved_dims"]["batch"] = list(meta.lead_dims)
     files = sorted(str(f) for f in (source.get("files") or {}))
     if len(files) > LISTED_FILES:
         out["matched_files"] = {"count": len(files), "xxh3": hash_text("\n".join(files))}

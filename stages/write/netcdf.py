@@ -27,13 +27,13 @@ import numpy as np
 
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
 from gridsolve.schemas.kinds.write import NetCDFWrite
+from gridsolve.schemas.metadata import LoadMeta
 from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.outputs import Extension, OutputVariable
 from gridsolve.stages.engine.paths import atomic_file, sweep_dead_temporaries
 from gridsolve.stages.engine.registry import StageDecl, register
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
-from gridsolve.stages.engine.tiles import plane_window
 from gridsolve.stages.write.direct import ChunkWriter
 from gridsolve.stages.write.layout import (
     chunk_alignment,
@@ -78,8 +78,9 @@ def _label_var(
 
 def _keep_obs_units(nc: netCDF4.Dataset, load: Artifact) -> None:
     """The obs coordinate's units attribute spelt as in the input."""
-    obs_dim = load.meta["obs_dim"]
-    cf = (load.meta.get("coord_cf") or {}).get("obs") or {}
+    meta = LoadMeta.of(load)
+    obs_dim = meta.obs_dim
+    cf = meta.coord_cf.get("obs") or {}
     units = (cf.get("encoding") or {}).get("units")
     var = nc.variables[obs_dim]
     if units and "units" in var.ncattrs() and _same_time_units(str(var.units), str(units)):
@@ -214,7 +215,8 @@ def write_netcdf(
     )
     sweep_dead_temporaries(final)
     variables = output_variables(load, design, tiled, config.layout)
-    yx = (load.meta["y_dim"], load.meta["x_dim"])
+    grid = LoadMeta.of(load)
+    yx = (grid.y_dim, grid.x_dim)
     plan = tile_plan(tiled)
     try:
         with atomic_file(final) as tmp:
@@ -224,17 +226,17 @@ def write_netcdf(
             base.to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
             with netCDF4.Dataset(tmp, "a") as nc:
                 _keep_obs_units(nc, load)
-                sizes = {yx[0]: int(load.meta["ny"]), yx[1]: int(load.meta["nx"])}
+                sizes = {yx[0]: grid.ny, yx[1]: grid.nx}
                 sizes.update({d: len(dim) for d, dim in nc.dimensions.items()})
                 first = {kind: art.tiles[0][1] for kind, art in tiled.items()}
-                lead_dims = list(load.meta.get("lead_dims") or [])
+                lead_dims = list(grid.lead_dims)
                 for v in variables:
                     _define(nc, v, v.data(first), sizes, config, yx, lead_dims)
             # The data: compressed chunks on every core, written straight into the file.
             with ChunkWriter(tmp) as out:
                 for i, tile in enumerate(plan):
                     arts = {kind: art.tiles[i][1] for kind, art in tiled.items()}
-                    window = plane_window(load.meta, tile)
+                    window = grid.plane_window(tile)
                     for v in variables:
                         data = v.data(arts)
                         if v.flat_from is not None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from gridsolve.schemas.errors import OutputError
 from gridsolve.schemas.kinds.write import NetCDFWrite, ZarrWrite
+from gridsolve.schemas.metadata import WriteMeta
 from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.hashing import file_digest
 from gridsolve.stages.engine.paths import ensure_allowed, ensure_allowed_url
@@ -244,4 +245,4 @@ def side_facts(
 
 def sides_unchanged(meta: Mapping[str, Any]) -> bool:
     """Whether the files a stored write artifact describes beside its output are unchanged."""
-    return all(_unchanged(facts) for facts in (meta.get("side_files") or {}).values())
+    return all(_unchanged(facts) for facts in WriteMeta.of(meta).side_files.values())

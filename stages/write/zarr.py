@@ -26,6 +26,7 @@ import xarray as xr
 
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
 from gridsolve.schemas.kinds.write import ZarrWrite
+from gridsolve.schemas.metadata import LoadMeta, WriteMeta
 from gridsolve.stages.engine import remote
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 # this module (it registers the writer), and they cost a third of a second.
 from gridsolve.stages.engine.outputs import Extension, OutputVariable
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
-from gridsolve.stages.engine.tiles import plane_window
 from gridsolve.stages.write.layout import (
     chunk_alignment,
     chunk_sizes,
@@ -78,12 +78,12 @@ def _template(
     base: xr.Dataset,
 ) -> xr.Dataset:
     """``base`` plus every tiled variable as an unwritten (lazy) array of its full shape."""
-    meta = load.meta
-    yx = (meta["y_dim"], meta["x_dim"])
-    lead_dims = list(meta.get("lead_dims") or [])
-    sizes: dict[str, int] = {yx[0]: int(meta["ny"]), yx[1]: int(meta["nx"])}
+    meta = LoadMeta.of(load)
+    yx = (meta.y_dim, meta.x_dim)
+    sizes: dict[str, int] = {yx[0]: meta.ny, yx[1]: meta.nx}
     sizes.update({str(d): int(n) for d, n in base.sizes.items()})
-    sizes.update(zip(lead_dims, (int(n) for n in meta.get("lead_shape") or []), strict=True))
+    lead_dims = meta.lead_dims
+    sizes.update(zip(meta.lead_dims, meta.lead_shape, strict=True))
     out = base.copy()
     for v in variables:
         data = v.data(first)
@@ -134,7 +134,7 @@ def _write_tiles(
     variables: list[OutputVariable],
     tiled: Mapping[str, TiledArtifact],
     plan: list[Any],
-    meta: Mapping[str, Any],
+    meta: LoadMeta,
 ) -> None:
     """Each tile's data into the store's arrays, every chunk written (even all-zero ones).
 
@@ -143,8 +143,8 @@ def _write_tiles(
     """
     import zarr
 
-    yx = (meta["y_dim"], meta["x_dim"])
-    lead_dims = list(meta.get("lead_dims") or [])
+    yx = (meta.y_dim, meta.x_dim)
+    lead_dims = meta.lead_dims
 
     def write(v: OutputVariable, arts: Mapping[str, Artifact], at: tuple[Any, ...]) -> None:
         data = v.data(arts)
@@ -164,7 +164,7 @@ def _write_tiles(
         arrays = {v.name: group[v.name] for v in variables}
         for i, tile in enumerate(plan):
             arts = {kind: art.tiles[i][1] for kind, art in tiled.items()}
-            window = plane_window(meta, tile)
+            window = meta.plane_window(tile)
             at = (..., *(window[d] for d in lead_dims), window[yx[0]], window[yx[1]])
             for done in [pool.submit(write, v, arts, at) for v in variables]:
                 done.result()
@@ -231,7 +231,7 @@ def _fill(
             storage_options=so,
         )
     group = zarr.open_group(store, mode="r+", zarr_format=ZARR_FORMAT, storage_options=so)
-    _write_tiles(group, variables, tiled, plan, load.meta)
+    _write_tiles(group, variables, tiled, plan, LoadMeta.of(load))
     # Last: the mark of a complete store.
     zarr.consolidate_metadata(group.store, zarr_format=ZARR_FORMAT)
 
@@ -314,16 +314,17 @@ def _store_facts(path: Path) -> dict[str, Any]:
 
 def still_valid(meta: Mapping[str, Any]) -> bool:
     """Whether the store (and its side files) a stored write artifact describes are intact."""
-    if remote.is_url(meta["path"]):
+    typed = WriteMeta.of(meta)
+    if remote.is_url(typed.path):
         try:
-            if _url_facts(meta["path"], meta.get("storage_options") or {}) != dict(
+            if _url_facts(typed.path, typed.storage_options) != dict(
                 {k: v for k, v in meta.items() if k != "side_files"}
             ):
                 return False
         except Exception:  # gone or unreachable: write it again
             return False
         return sides_unchanged(meta)
-    p = Path(meta["path"])
+    p = Path(typed.path)
     try:
         if not p.is_dir() or _store_facts(p) != {k: meta[k] for k in ("path", "size", "xxh3")}:
             return False

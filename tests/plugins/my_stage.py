@@ -9,6 +9,7 @@ import numpy as np
 from pydantic import Field
 
 from gridsolve.schemas.kinds.design import DesignConfig
+from gridsolve.schemas.metadata import LoadMeta
 from gridsolve.stages.engine.registry import StageDecl, register, unregister
 from gridsolve.stages.engine.store import StageOutput
 
@@ -21,7 +22,7 @@ class LegendreDesign(DesignConfig):
 
 
 def run(config: LegendreDesign, inputs: Mapping[str, Any], ctx: Any) -> StageOutput:
-    n = int(inputs["load"].meta["n_obs"])
+    n = LoadMeta.of(inputs["load"]).n_obs  # another kind's metadata: read through its model
     t = np.linspace(-1.0, 1.0, n)
     A = np.polynomial.legendre.legvander(t, config.degree)
     s = np.linalg.svd(A, compute_uv=False)

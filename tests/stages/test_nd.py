@@ -19,10 +19,10 @@ import xarray as xr
 
 from gridsolve.schemas.errors import ContractError
 from gridsolve.schemas.kinds.load import NetCDFLoad
+from gridsolve.schemas.metadata import LoadMeta
 from gridsolve.schemas.pipeline import build_config
 from gridsolve.stages.engine.agreement import disagreements
-from gridsolve.stages.engine.tiles import plan_tiles, plane_window
-from gridsolve.stages.load.contract import grid_shape, pixel_name
+from gridsolve.stages.engine.tiles import plan_tiles
 from gridsolve.stages.load.netcdf import run as load_run
 
 from testkit import run_plan
@@ -522,18 +522,25 @@ def test_plan_tiles_cover_once_and_never_span_planes(
 def test_plane_window_and_pixel_name_follow_c_order() -> None:
     from gridsolve.schemas.artifacts import Tile
 
-    meta = {
-        "ny": 5,
-        "nx": 7,
-        "y_dim": "lat",
-        "x_dim": "lon",
-        "lead_dims": ["pressure", "member"],
-        "lead_shape": [2, 3],
-    }
-    assert grid_shape(meta) == (30, 7)
+    meta = LoadMeta(
+        variable="t",
+        dims=["pressure", "member", "time", "lat", "lon"],
+        obs_dim="time",
+        n_obs=4,
+        dtype="<f4",
+        aux={},
+        content_hash="0",
+        ny=5,
+        nx=7,
+        y_dim="lat",
+        x_dim="lon",
+        lead_dims=["pressure", "member"],
+        lead_shape=[2, 3],
+    )
+    assert meta.grid_shape() == (30, 7)
     # row 17 = plane 3 (pressure 1, member 0), lat 2
-    assert pixel_name(meta, 17, 4) == "pressure=1, member=0, lat=2, lon=4"
-    win = plane_window(meta, Tile(index=0, y0=16, y1=19, x0=2, x1=5))
+    assert meta.pixel_name(17, 4) == "pressure=1, member=0, lat=2, lon=4"
+    win = meta.plane_window(Tile(index=0, y0=16, y1=19, x0=2, x1=5))
     assert win == {"pressure": 1, "member": 0, "lat": slice(1, 4), "lon": slice(2, 5)}
 
 
