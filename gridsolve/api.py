@@ -276,6 +276,44 @@ def config(
     return build_config(raw, source="gridsolve arguments")
 
 
+def _run_plan(cfg: PipelineConfig, *, keep: bool, progress: bool) -> tuple[xr.Dataset, Path]:
+    """Run ``cfg``'s plan in this process; the output it wrote, loaded, and its path.
+
+    ``keep``: the cache is the user's (its size cap applies), not a scratch folder.
+    """
+    import xarray as xr
+
+    from gridsolve.stages.engine.context import StageContext
+    from gridsolve.stages.engine.plan import build_plan, run_locally
+    from gridsolve.stages.engine.prune import run_housekeeping
+    from gridsolve.stages.engine.store import open_store
+
+    plan = build_plan(cfg.stage_configs())
+    with (
+        _Progress(progress) as bar,
+        run_housekeeping(cfg.cache.root, cfg.cache.max_size_bytes if keep else None, log),
+    ):
+        on_tile, on_stage = bar.callbacks()
+        ctx = StageContext(
+            store=open_store(cfg.cache.root, cfg.cache.storage_options),
+            memory_budget=cfg.execution.memory_budget_bytes,
+            logger=log,
+            progress=on_stage,
+        )
+        refs = run_locally(
+            plan,
+            ctx,
+            tile_pixels=cfg.execution.tile_pixels,
+            max_workers=cfg.execution.max_workers,
+            on_tile=on_tile,
+        )
+    wrote = refs["write"]
+    assert isinstance(wrote, ArtifactRef)  # the writer is a whole stage
+    written = Path(WriteMeta.of(wrote).path)
+    with xr.open_dataset(written) as out:
+        return out.load(), written
+
+
 def fit(
     data: xr.DataArray | xr.Dataset,
     *,
@@ -307,13 +345,6 @@ def fit(
     Raises the package's errors (:class:`gridsolve.schemas.errors.GridsolveError`), with
     the messages the CLI prints.
     """
-    import xarray as xr
-
-    from gridsolve.stages.engine.context import StageContext
-    from gridsolve.stages.engine.plan import build_plan, run_locally
-    from gridsolve.stages.engine.prune import run_housekeeping
-    from gridsolve.stages.engine.store import open_store
-
     ds, fields = _input_dataset(data, variable, weights, target)
     dims = {"obs_dim": obs_dim, "y_dim": y_dim, "x_dim": x_dim}
     fields.update({k: v for k, v in dims.items() if v is not None})
@@ -333,30 +364,7 @@ def fit(
             execution=execution,
         )
         _write_input(ds, source)
-        plan = build_plan(cfg.stage_configs())
-        with (
-            _Progress(progress) as bar,
-            run_housekeeping(cfg.cache.root, cfg.cache.max_size_bytes if cache_root else None, log),
-        ):
-            on_tile, on_stage = bar.callbacks()
-            ctx = StageContext(
-                store=open_store(cfg.cache.root, cfg.cache.storage_options),
-                memory_budget=cfg.execution.memory_budget_bytes,
-                logger=log,
-                progress=on_stage,
-            )
-            refs = run_locally(
-                plan,
-                ctx,
-                tile_pixels=cfg.execution.tile_pixels,
-                max_workers=cfg.execution.max_workers,
-                on_tile=on_tile,
-            )
-        wrote = refs["write"]
-        assert isinstance(wrote, ArtifactRef)  # the writer is a whole stage
-        written = Path(WriteMeta.of(wrote).path)
-        with xr.open_dataset(written) as out:
-            result = out.load()
+        result, written = _run_plan(cfg, keep=cache_root is not None, progress=progress)
     # Provenance names no temporary file that is gone by now.
     said = str(result.attrs.get("gridsolve_config", ""))
     said = said.replace(str(source), IN_MEMORY_INPUT).replace(str(written), IN_MEMORY_OUTPUT)
