@@ -67,9 +67,9 @@ def _where(args: argparse.Namespace) -> tuple[str, str | None]:
 
 def _local_cache(root: str) -> Path:
     """``root`` as a local cache folder; StoreError for a bucket, a missing or foreign folder."""
-    from gridsolve.schemas.base import is_url
+    from gridsolve.stages.engine import storage
 
-    if is_url(root):
+    if storage.at(root).shared() is not None:
         raise StoreError(
             f"the cache {root} is a bucket: not pruned, local caches only",
             fix="gridsolve cache works on local cache folders; clean a bucket with "

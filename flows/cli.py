@@ -470,8 +470,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from gridsolve.schemas.kinds.load import NetCDFLoad
     from gridsolve.schemas.kinds.model import ModuleModel
     from gridsolve.schemas.reading import config_to_yaml, load_config
+    from gridsolve.stages.engine import storage
     from gridsolve.stages.engine.paths import refuse_destructive_outputs
-    from gridsolve.stages.engine.remote import is_url
     from gridsolve.stages.engine.store import open_store
     from gridsolve.stages.load.netcdf import check_opens
     from gridsolve.stages.write.target import check_write_target
@@ -482,7 +482,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         check_opens(cfg.load)
     if "{" not in str(getattr(cfg.write, "path", "")):
         check_write_target(cfg.write)
-    if is_url(cfg.cache.root):
+    if storage.at(cfg.cache.root).shared() is not None:  # a local folder is not created here
         open_store(cfg.cache.root, cfg.cache.storage_options)  # probes the bucket
     if isinstance(cfg.model, ModuleModel):
         # Only here is torch imported: the class the config names needs it anyway.

@@ -62,10 +62,9 @@ from gridsolve.schemas.pipeline import (
     build_config,
 )
 from gridsolve.schemas.reading import deployment_home, resolved_path
+from gridsolve.stages.engine import storage
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.paths import (
-    ensure_allowed,
-    ensure_allowed_url,
     ensure_input_allowed,
     ensure_module_allowed,
     refuse_destructive_outputs,
@@ -82,7 +81,6 @@ from gridsolve.stages.engine.plan import (
 )
 from gridsolve.stages.engine.prune import run_housekeeping
 from gridsolve.stages.engine.registry import decl_for
-from gridsolve.stages.engine.remote import is_url
 from gridsolve.stages.engine.runner import (
     cache_key,
     prepare_stage,
@@ -91,7 +89,7 @@ from gridsolve.stages.engine.runner import (
     run_tile,
     with_sources,
 )
-from gridsolve.stages.engine.store import bucket_mirror, open_store
+from gridsolve.stages.engine.store import open_store
 from gridsolve.stages.write.retention import apply_keep_last
 from gridsolve.stages.write.target import check_write_target
 
@@ -152,9 +150,7 @@ def task_options(cache: CacheConfig) -> dict[str, Any]:
 
 def records_folder(cache: CacheConfig) -> Path:
     """Where Prefect's cache records are: in the store's folder (this host's copy for a bucket)."""
-    if is_url(cache.root):
-        return bucket_mirror(cache.root) / PREFECT_RECORDS
-    return Path(cache.root).expanduser().resolve() / PREFECT_RECORDS
+    return storage.at(cache.root).host_folder() / PREFECT_RECORDS
 
 
 def _progress_artifact() -> Callable[[float, str], None]:
@@ -676,7 +672,7 @@ def check_reads_allowed(cfg: PipelineConfig) -> None:
         label = f"{kind}/{conf.impl}"
         for field, value in conf.input_files().items():
             paths = [value] if isinstance(value, str) else list(value)
-            local_globs = [p for p in paths if is_glob(p) and not is_url(p)]
+            local_globs = [p for p in paths if is_glob(p) and storage.at(p).lists_globs]
             for path in [*paths, *(expand(local_globs) if local_globs else [])]:
                 ensure_input_allowed(path, f"{kind}.{field}", label)
         for module in conf.imported_modules():
@@ -689,10 +685,7 @@ def check_cache_allowed(cache: CacheConfig) -> None:
     The store refuses it too when opened, but Prefect writes its cache records into
     the cache folder as the first task starts: this refuses the run before.
     """
-    if is_url(cache.root):
-        ensure_allowed_url(cache.root, "cache folder", "cache")
-    else:
-        ensure_allowed(cache.root, "cache folder", "cache")
+    storage.at(cache.root).confine("cache folder", "cache")
 
 
 def run_pipeline(cfg: PipelineConfig) -> RunSummary:

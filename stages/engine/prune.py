@@ -31,9 +31,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gridsolve.stages.engine import leases
+from gridsolve.stages.engine import leases, storage
 from gridsolve.stages.engine.paths import ensure_allowed, writer_tag
-from gridsolve.stages.engine.remote import is_url
 from gridsolve.stages.engine.store import MANIFEST, Store
 
 #: Prefect's cache records, one file per key (see flows.pipeline.PREFECT_RECORDS).
@@ -284,7 +283,7 @@ def run_housekeeping(root: str, max_bytes: int | None, logger: Logger) -> Iterat
     run. A bucket cache, or a folder outside the allowed roots (the run then
     fails with that message when it opens the store), gets neither lease nor prune.
     """
-    if is_url(root):
+    if storage.at(root).shared() is not None:
         if max_bytes is not None:
             logger.warning(
                 "cache.max_size is not applied to %s: bucket caches are not pruned "

@@ -11,8 +11,10 @@ stamps the manifest's mtime: the artifact's last use, which the size cap
 (:mod:`~gridsolve.stages.engine.prune`) evicts by.
 
 The store is a POSIX folder: local, or a shared mount (NFS, Lustre) that every
-Dask worker sees at the same path; or a bucket (:class:`BucketStore`), for
-workers that share no disk.
+Dask worker sees at the same path; or a bucket, for workers that share no disk,
+read and written through this host's copy of it (:class:`Store` says how).
+One class serves both: where the root is comes from the storage layer
+(:mod:`~gridsolve.stages.engine.storage`), which alone tells a folder from a URL.
 """
 
 from __future__ import annotations
@@ -35,14 +37,9 @@ import xxhash
 
 from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.errors import StoreError
-from gridsolve.stages.engine import remote
-from gridsolve.stages.engine.hashing import hash_file, hash_text
-from gridsolve.stages.engine.paths import (
-    ensure_allowed,
-    ensure_allowed_url,
-    owner_is_dead,
-    writer_tag,
-)
+from gridsolve.stages.engine import remote, storage
+from gridsolve.stages.engine.hashing import hash_file
+from gridsolve.stages.engine.paths import owner_is_dead, writer_tag
 from gridsolve.stages.engine.pyparse import load_npy
 
 log = logging.getLogger("gridsolve.store")
@@ -147,14 +144,31 @@ def _write_npy(f: BinaryIO, arr: np.ndarray) -> _HashingWriter:
 
 
 class Store:
-    """A content-addressed store of stage artifacts under ``root``."""
+    """A content-addressed store of stage artifacts at ``root``: a folder, or a bucket URL.
+
+    The artifacts are kept in a folder of this host: the root itself, or for a
+    bucket (``s3://bucket/prefix``) this host's copy of it, under
+    ``GRIDSOLVE_MIRROR``. Object stores have no rename, so publication to a
+    bucket is by order: an artifact's arrays are uploaded under names that
+    are their xxh3 checksums, then its manifest, last; an artifact without a
+    manifest does not exist. Two writers of one key upload to distinct names
+    (or the same bytes under the same name), so the manifest that lands last
+    always names whole arrays. An artifact only in the bucket is downloaded
+    into this host's copy and checked against the manifest's size and
+    checksum before use; a bad one is deleted from the bucket and recomputed.
+    Arrays left by a writer that lost the race stay in the bucket (never read;
+    ``aws s3 rm`` cleans them).
+    """
 
     # Verified checksums, per process: a file is hashed once per run, not per reader.
     _verified: ClassVar[dict[str, tuple[tuple[str, int, int], ...]]] = {}
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, root: str | Path) -> None:
-        self.root = ensure_allowed(root, "cache folder")
+    def __init__(self, root: str | Path, options: Mapping[str, Any] | None = None) -> None:
+        where = storage.at(root, options)
+        self.root = where.cache_folder(StoreError)
+        #: the bucket this host's folder is a copy of (None: the folder is the store)
+        self._shared = where.shared()
         self._setup()
 
     def _setup(self) -> None:
@@ -177,7 +191,7 @@ class Store:
     @property
     def location(self) -> str:
         """Where the store is, as the user named it (a folder, or a bucket URL)."""
-        return str(self.root)
+        return str(self.root) if self._shared is None else self._shared.text
 
     def path(self, key: str) -> Path:
         """Folder of the artifact with ``key``."""
@@ -211,7 +225,19 @@ class Store:
         return manifest
 
     def check(self, key: str) -> tuple[Status, str]:
-        """Whether ``key`` is stored whole: ("hit"|"miss"|"corrupt", why)."""
+        """Whether ``key`` is stored whole: ("hit"|"miss"|"corrupt", why).
+
+        An artifact only in the bucket is downloaded into this host's folder and checked.
+        """
+        status, why = self._check_here(key)
+        if status == "hit" or self._shared is None:
+            return status, why
+        if status == "corrupt":
+            self._quarantine_here(key, why)  # this host's copy is bad: the bucket's may be whole
+        return self._download(self._shared, key)
+
+    def _check_here(self, key: str) -> tuple[Status, str]:
+        """:meth:`check` of this host's folder."""
         folder = self.path(key)
         try:
             manifest = self._manifest(key)
@@ -266,7 +292,17 @@ class Store:
         return status, why
 
     def quarantine(self, key: str, why: str) -> None:
-        """Move a bad artifact out of the way so that it is recomputed."""
+        """Move a bad artifact out of the way (and out of the bucket) so that it is recomputed."""
+        self._quarantine_here(key, why)
+        if self._shared is not None:
+            fs = remote.filesystem(self._shared.text, self._shared.options)
+            base = self._remote(self._shared, key)
+            with self._translated(self._shared, key), contextlib.suppress(FileNotFoundError):
+                fs.rm(f"{base}/{MANIFEST}")  # first: without it the artifact does not exist
+                fs.rm(base, recursive=True)
+
+    def _quarantine_here(self, key: str, why: str) -> None:
+        """Move this host's copy of a bad artifact aside to ``corrupt/``."""
         folder = self.path(key)
         dest = self.root / "corrupt" / f"{key}~{uuid.uuid4().hex[:8]}"
         log.warning("cache artifact %s is corrupt (%s): moved to %s; recomputing", key, why, dest)
@@ -295,7 +331,26 @@ class Store:
 
     # ------------------------------------------------------------------ writing
     def put(self, key: str, output: StageOutput, info: Mapping[str, Any]) -> Artifact:
-        """Store ``output`` under ``key`` atomically and return it as read back."""
+        """Store ``output`` under ``key`` atomically and return it as read back.
+
+        For a bucket: stored in this host's copy, then published to the bucket (manifest last).
+        """
+        art = self._put_here(key, output, info)
+        if self._shared is None:
+            return art
+        try:
+            self._upload(self._shared, key, art)
+        except BaseException:
+            # Not in the bucket, so not here either: a retry computes and uploads it again
+            # (other hosts would otherwise find it missing while this one finds it whole).
+            shutil.rmtree(art.path, ignore_errors=True)
+            with self._lock:
+                self._verified.pop(str(art.path), None)
+            raise
+        return art
+
+    def _put_here(self, key: str, output: StageOutput, info: Mapping[str, Any]) -> Artifact:
+        """:meth:`put` into this host's folder."""
         try:
             with self.scratch() as tmp:
                 files: dict[str, dict[str, Any]] = {}
@@ -362,55 +417,21 @@ class Store:
         os.rename(tmp, final)
         return True
 
+    def _remote(self, shared: storage.ObjectPath, key: str) -> str:
+        return f"{shared.text}/objects/{key[:2]}/{key}"
 
-class BucketStore(Store):
-    """A store in an object-store bucket (``s3://bucket/prefix``), read through a local copy.
-
-    Object stores have no rename, so publication is by order: an artifact's
-    arrays are uploaded under names that are their xxh3 checksums, then its
-    manifest, last; an artifact without a manifest does not exist. Two writers
-    of one key upload to distinct names (or the same bytes under the same
-    name), so the manifest that lands last always names whole arrays. A reader
-    downloads the arrays into this host's copy of the store (under
-    ``GRIDSOLVE_MIRROR``) and checks each against the manifest's size and
-    checksum before use; a bad artifact is deleted from the bucket and
-    recomputed. Arrays left by a writer that lost the race stay in the bucket
-    (never read; ``aws s3 rm`` cleans them).
-    """
-
-    def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
-        self.url = ensure_allowed_url(url.rstrip("/"), "cache URL")
-        self.options = dict(options or {})
-        remote.probe_writable(self.url, self.options, "cache", StoreError, None)
-        self.root = bucket_mirror(self.url)
-        self._setup()
-
-    @property
-    def location(self) -> str:
-        """The bucket URL."""
-        return self.url
-
-    def _remote(self, key: str) -> str:
-        return f"{self.url}/objects/{key[:2]}/{key}"
-
-    def _translated(self, key: str) -> contextlib.AbstractContextManager[None]:
+    def _translated(
+        self, shared: storage.ObjectPath, key: str
+    ) -> contextlib.AbstractContextManager[None]:
         return remote.translated(
-            self._remote(key), "cache artifact", StoreError, None, self.options
+            self._remote(shared, key), "cache artifact", StoreError, None, shared.options
         )
 
-    def check(self, key: str) -> tuple[Status, str]:
-        """Like :meth:`Store.check`; an artifact only in the bucket is downloaded and checked."""
-        status, why = super().check(key)
-        if status == "hit":
-            return status, why
-        if status == "corrupt":
-            super().quarantine(key, why)  # this host's copy is bad: the bucket's may be whole
-        return self._download(key)
-
-    def _download(self, key: str) -> tuple[Status, str]:
-        fs = remote.filesystem(self.url, self.options)
-        base = self._remote(key)
-        with self._translated(key):
+    def _download(self, shared: storage.ObjectPath, key: str) -> tuple[Status, str]:
+        """Copy the bucket's artifact ``key`` into this host's folder, checked."""
+        fs = remote.filesystem(shared.text, shared.options)
+        base = self._remote(shared, key)
+        with self._translated(shared, key):
             try:
                 text = fs.cat_file(f"{base}/{MANIFEST}")
             except FileNotFoundError:
@@ -438,25 +459,12 @@ class BucketStore(Store):
                     self._remember(final, manifest["files"])
         return "hit", ""
 
-    def put(self, key: str, output: StageOutput, info: Mapping[str, Any]) -> Artifact:
-        """Store ``output`` in this host's copy, then publish it to the bucket (manifest last)."""
-        art = super().put(key, output, info)
-        try:
-            self._upload(key, art)
-        except BaseException:
-            # Not in the bucket, so not here either: a retry computes and uploads it again
-            # (other hosts would otherwise find it missing while this one finds it whole).
-            shutil.rmtree(art.path, ignore_errors=True)
-            with self._lock:
-                self._verified.pop(str(art.path), None)
-            raise
-        return art
-
-    def _upload(self, key: str, art: Artifact) -> None:
-        fs = remote.filesystem(self.url, self.options)
-        base = self._remote(key)
+    def _upload(self, shared: storage.ObjectPath, key: str, art: Artifact) -> None:
+        """Publish this host's artifact ``key`` to the bucket: arrays, then the manifest."""
+        fs = remote.filesystem(shared.text, shared.options)
+        base = self._remote(shared, key)
         manifest = json.loads((art.path / MANIFEST).read_text())
-        with self._translated(key):
+        with self._translated(shared, key):
             fs.invalidate_cache()
             if fs.exists(f"{base}/{MANIFEST}"):
                 return  # another writer published it first
@@ -464,7 +472,7 @@ class BucketStore(Store):
             for name, f in manifest["files"].items():
                 target = f"{base}/{f['xxh3']}.npy"
                 fs.put_file(str(art.path / f["file"]), target)
-                got = remote.object_identity(target, self.options)
+                got = remote.object_identity(target, shared.options)
                 if got["size"] != f["size"]:
                     raise StoreError(
                         f"the upload of cache artifact {key} array {name!r} has "
@@ -476,23 +484,7 @@ class BucketStore(Store):
             text = json.dumps({**manifest, "files": files}, sort_keys=True, allow_nan=True)
             fs.pipe_file(f"{base}/{MANIFEST}", text.encode())
 
-    def quarantine(self, key: str, why: str) -> None:
-        """Drop a bad artifact here and in the bucket (manifest first), so it is recomputed."""
-        super().quarantine(key, why)
-        fs = remote.filesystem(self.url, self.options)
-        base = self._remote(key)
-        with self._translated(key), contextlib.suppress(FileNotFoundError):
-            fs.rm(f"{base}/{MANIFEST}")
-            fs.rm(base, recursive=True)
-
-
-def bucket_mirror(url: str) -> Path:
-    """The local folder of the bucket store at ``url`` on this host (copies, scratch, records)."""
-    return remote.mirror_root() / "cache" / hash_text(url.rstrip("/"))[:20]
-
 
 def open_store(root: str, options: Mapping[str, Any] | None = None) -> Store:
     """The store at ``root``: a local (or shared) folder, or a bucket URL."""
-    if remote.is_url(root):
-        return BucketStore(root, options)
-    return Store(root)
+    return Store(root, options)
