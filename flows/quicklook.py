@@ -39,8 +39,7 @@ from pydantic import BaseModel
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-from gridsolve.stages.engine import remote
-from gridsolve.stages.engine.paths import atomic_file
+from gridsolve.stages.engine import storage
 from gridsolve.stages.engine.provenance import MARK_KEY, MARK_VALUE, STAMP_KEY, png_text
 from gridsolve.stages.write.layout import DESIGN_VARIABLE
 
@@ -101,17 +100,11 @@ def open_output(output: str | Path, options: Mapping[str, Any] | None = None) ->
     A URL is opened with ``options`` (``write.storage_options``) and the
     credentials of the environment.
     """
-    if remote.is_url(str(output)):
-        url = str(output)
-        if remote.exists(f"{url}/.zmetadata", options):
-            so = remote.storage_options(options)
-            found: xr.Dataset = xr.open_zarr(url, storage_options=so)
-            return found
-        return xr.open_dataset(remote.local_copy(url, options))
-    if Path(output).is_dir():
-        store: xr.Dataset = xr.open_zarr(output)
+    where = storage.at(output, options)
+    if where.is_folder(".zmetadata"):  # a Zarr store
+        store: xr.Dataset = xr.open_zarr(where.text, storage_options=where.open_options())
         return store
-    return xr.open_dataset(output)
+    return xr.open_dataset(where.readable())
 
 
 def first_plane(ds: xr.Dataset) -> tuple[xr.Dataset, str]:
@@ -579,18 +572,15 @@ def loss_curve_png(output: str | Path, options: Mapping[str, Any] | None = None)
 def _beside(output: str | Path, suffix: str) -> Path | str:
     """Where the picture ``suffix`` of ``output`` goes: ``<output>.<suffix>.png``."""
     name = f"{output}.{suffix}.png"
-    return name if remote.is_url(str(output)) else Path(name)
+    local = storage.at(name).local
+    return name if local is None else local
 
 
 def _write_beside(
     output: str | Path, suffix: str, png: bytes, options: Mapping[str, Any] | None = None
 ) -> Path | str:
     path = _beside(output, suffix)
-    if isinstance(path, str):
-        remote.filesystem(path, options).pipe_file(path, png)  # one PUT: whole or absent
-        return path
-    with atomic_file(path) as tmp:
-        tmp.write_bytes(png)
+    storage.at(path, options).write_bytes(png)  # whole or absent
     return path
 
 
@@ -600,7 +590,7 @@ def drawn_from(output: str | Path, caption: Caption | None) -> str | None:
     The file's identity (path, size, mtime, inode) and the caption's deployment
     and config, not its run name.
     """
-    if remote.is_url(str(output)):
+    if storage.at(output).local is None:
         return None
     try:
         st = os.stat(output)

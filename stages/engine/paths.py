@@ -15,10 +15,7 @@ config file and the cache before any work.
 
 from __future__ import annotations
 
-import fnmatch
-import glob
 import os
-import posixpath
 import shutil
 import socket
 import uuid
@@ -28,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gridsolve.schemas.base import is_url
 from gridsolve.schemas.confinement import (
     ALLOWED_INPUTS_ENV,
     ALLOWED_MODULES_ENV,
@@ -42,6 +38,7 @@ from gridsolve.stages.engine.provenance import is_gridsolve_output, is_gridsolve
 
 if TYPE_CHECKING:
     from gridsolve.schemas.pipeline import PipelineConfig
+    from gridsolve.stages.engine.storage import Location
 
 
 def allowed_roots() -> list[Path]:
@@ -285,11 +282,11 @@ def run_reads(
             label = f"{kind}.{field}"
             for item in [value] if isinstance(value, str) else value:
                 item = render_template(item, values) if values else item
-                magic = any(c in item for c in "*?[")
-                if is_url(item):
-                    places.append(Place(label, item, pattern=magic))
-                elif magic and not os.path.exists(item):  # a folder may be named "exp[2]"
-                    places += [Place(label, m) for m in sorted(glob.glob(item))]
+                where = _at(item)
+                if not where.lists_globs:
+                    places.append(Place(label, item, pattern=any(c in item for c in "*?[")))
+                elif where.is_pattern():  # a folder may be named "exp[2]"
+                    places += [Place(label, m) for m in where.glob(("input", InputError, None))]
                     # and the pattern: an output it does not match yet, it would next run
                     places.append(Place(label, _absolute(item), pattern=True))
                 else:
@@ -300,61 +297,20 @@ def run_reads(
     return places
 
 
+def _at(path: str) -> Location:
+    # imported here: the storage layer uses this module's atomic files and writer tags
+    from gridsolve.stages.engine.storage import at
+
+    return at(path)
+
+
 def _absolute(path: str) -> str:
-    return path if is_url(path) else os.path.abspath(os.path.expanduser(path))
+    return _at(path).absolute()
 
 
-def _normal(path: str) -> str:
-    """A comparable form: real path (links, ``..``) in the file system's case; a URL tidied."""
-    if is_url(path):
-        scheme, rest = path.split("://", 1)
-        bucket, _, key = rest.partition("/")
-        key = posixpath.normpath("/" + key).lstrip("/") if key else ""
-        return f"{scheme.lower()}://{bucket.lower()}/{key}".rstrip("/")
-    return os.path.normcase(os.path.realpath(path))
-
-
-def _inside(inner: str, outer: str) -> bool:
-    """Whether normalised ``inner`` is ``outer`` or lies under it."""
-    sep = "/" if is_url(outer) else os.sep
-    return inner == outer or inner.startswith(outer.rstrip(sep) + sep)
-
-
-def _matches(path: str, pattern: str) -> bool:
-    """Whether normalised ``path`` is one that glob ``pattern`` matches.
-
-    As a glob does, ``*`` stays within one folder; a local pattern's folders are
-    resolved (links, ``..``) as ``path`` was.
-    """
-    if is_url(pattern):
-        return fnmatch.fnmatchcase(path, _normal(pattern))
-    head, tail = os.path.split(pattern)
-    if not any(c in head for c in "*?["):
-        pattern = os.path.join(_normal(head), os.path.normcase(tail))
-    got, want = path.split(os.sep), pattern.split(os.sep)
-    return len(got) == len(want) and all(map(fnmatch.fnmatchcase, got, want))
-
-
-def _identity(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
-
-
-def _lineage(path: str) -> list[tuple[int, int]]:
-    """Identities of ``path`` and of each existing folder above it (nearest first)."""
-    out = []
-    here = os.path.abspath(path)
-    while True:
-        ident = _identity(here)
-        if ident is not None:
-            out.append(ident)
-        parent = os.path.dirname(here)
-        if parent == here:
-            return out
-        here = parent
+def _above(path: str) -> list[tuple[int, int]]:
+    """Identities of the existing folders above ``path`` (none for an object)."""
+    return _at(path).folders_above(parent=True)
 
 
 def _relation(out: Place, read: Place, above: list[tuple[int, int]]) -> str | None:
@@ -362,29 +318,26 @@ def _relation(out: Place, read: Place, above: list[tuple[int, int]]) -> str | No
 
     ``above``: the identities of the existing folders above ``out``.
     """
-    if is_url(out.path) != is_url(read.path):
+    mine, other = _at(out.path), _at(read.path)
+    if not mine.same_kind(other):
         return None
-    a = _normal(out.path)
     if read.pattern:
-        return "is matched by" if _matches(a, read.path) else None
-    b = _normal(read.path)
-    if a == b:
+        return "is matched by" if mine.matched_by(other) else None
+    if mine.normal() == other.normal():
         return "resolves to"
-    if _inside(a, b):
+    if mine.inside(other):
         return "lies inside"
-    if _inside(b, a):
+    if other.inside(mine):
         return "contains"
-    if is_url(out.path):
-        return None
     # The same file under another name: a hard link, another case on a
-    # case-insensitive disk, a bind mount. Only existing files have an identity.
-    here, theirs = _identity(out.path), _identity(read.path)
+    # case-insensitive disk, a bind mount. Only existing local files have an identity.
+    here, theirs = mine.file_id(), other.file_id()
     if theirs is not None and here == theirs:
         return "is the same file as"
     if theirs is not None and theirs in above:
         return "lies inside"
     inside_out = here is not None and os.path.isdir(out.path)
-    if inside_out and here in _lineage(os.path.dirname(os.path.abspath(read.path))):
+    if inside_out and here in _at(os.path.dirname(os.path.abspath(read.path))).folders_above():
         return "contains"
     return None
 
@@ -396,7 +349,7 @@ def read_by_run(path: str, reads: Sequence[Place]) -> Place | None:
     letter case, hard links): what must survive a deletion of ``path``.
     """
     here = Place("", _absolute(path))
-    above = [] if is_url(here.path) else _lineage(os.path.dirname(here.path))
+    above = _above(here.path)
     return next((r for r in reads if _relation(here, r, above)), None)
 
 
@@ -408,7 +361,7 @@ def _refuse_cache_in_reads(cfg: PipelineConfig, reads: Sequence[Place]) -> None:
     """
     cache = next(r for r in reads if r.label == "cache.root")
     here = Place("cache.root", cache.path)
-    above = [] if is_url(here.path) else _lineage(os.path.dirname(here.path))
+    above = _above(here.path)
     for read in reads:
         if read is cache:
             continue
@@ -431,9 +384,9 @@ def _refuse_foreign_output(cfg: PipelineConfig, outputs: list[Place]) -> None:
     paths only: an object store's output is checked by its writer.
     """
     main = outputs[0]
-    if is_url(main.path):
+    target = _at(main.path).local
+    if target is None:
         return
-    target = Path(main.path)
     ours = is_gridsolve_output(target)
     occupied = (target.is_file() and target.stat().st_size > 0) or (
         target.is_dir() and any(target.iterdir())
@@ -492,7 +445,7 @@ def refuse_destructive_outputs(
         return
     clashes = []
     for o in outputs:
-        above = [] if is_url(o.path) else _lineage(os.path.dirname(o.path))
+        above = _above(o.path)
         clashes += [(o, r, rel) for r in reads if (rel := _relation(o, r, above))]
     if not clashes:
         # after the clashes: a side file that is an input is named as such

@@ -122,6 +122,10 @@ class Location:
         """Every file (or object) under this folder (or prefix), sorted."""
         raise NotImplementedError
 
+    def is_folder(self, marker: str) -> bool:
+        """Whether this is a folder; for an object store, a prefix holding ``marker``."""
+        raise NotImplementedError
+
     def relative(self, path: str) -> str:
         """``path`` (a file under this folder) named relative to it."""
         raise NotImplementedError
@@ -138,8 +142,11 @@ class Location:
         """(device, inode) of an existing local path; None for an object or a missing path."""
         return None
 
-    def folders_above(self) -> list[tuple[int, int]]:
-        """Identities of this path and each existing folder above it (none for an object)."""
+    def folders_above(self, parent: bool = False) -> list[tuple[int, int]]:
+        """Identities of this path (``parent``: its folder) and each existing folder above it.
+
+        None for an object: a bucket has no folders with identities.
+        """
         return []
 
     def write_bytes(self, data: bytes) -> None:
@@ -220,6 +227,10 @@ class LocalPath(Location):
         p = Path(self.text)
         return p.is_dir() and any((p / m).exists() for m in names)
 
+    def is_folder(self, marker: str) -> bool:
+        """Whether this is a folder (``marker`` is for buckets, which have none)."""
+        return Path(self.text).is_dir()
+
     def files_under(self, blame: Blame) -> list[str]:
         """Every file in the folder tree, sorted."""
         found = []
@@ -239,18 +250,21 @@ class LocalPath(Location):
             return None
         return (st.st_dev, st.st_ino)
 
-    def folders_above(self) -> list[tuple[int, int]]:
-        """Identities of this path and of each existing folder above it (nearest first)."""
+    def folders_above(self, parent: bool = False) -> list[tuple[int, int]]:
+        """Identities of this path (``parent``: its folder) and each existing folder above it.
+
+        Nearest first.
+        """
         out = []
-        here = os.path.abspath(self.text)
+        here = os.path.abspath(os.path.dirname(self.text) if parent else self.text)
         while True:
             ident = LocalPath(here).file_id()
             if ident is not None:
                 out.append(ident)
-            parent = os.path.dirname(here)
-            if parent == here:
+            up = os.path.dirname(here)
+            if up == here:
                 return out
-            here = parent
+            here = up
 
     def write_bytes(self, data: bytes) -> None:
         """Write ``data`` to a temporary file beside the path and rename it into place."""
@@ -320,6 +334,10 @@ class ObjectPath(Location):
         with self.translated(blame):
             base = self.text.rstrip("/")
             return any(remote.exists(f"{base}/{m}", self.options) for m in names)
+
+    def is_folder(self, marker: str) -> bool:
+        """Whether the prefix holds ``marker`` (a bucket has no folders, only names)."""
+        return remote.exists(f"{self.text}/{marker}", self.options)
 
     def files_under(self, blame: Blame) -> list[str]:
         """Every object under the prefix, sorted."""

@@ -18,9 +18,7 @@ timestamps it could change again without changing its identity.
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -31,7 +29,7 @@ import numpy as np
 import xarray as xr
 
 from gridsolve.schemas.errors import ContractError, InputError
-from gridsolve.stages.engine import remote
+from gridsolve.stages.engine import remote, storage
 from gridsolve.stages.engine.hashing import canonical_json, file_identity, hash_file, hash_text
 from gridsolve.stages.engine.paths import atomic_file
 from gridsolve.stages.engine.provenance import ZARR_MARKERS
@@ -57,11 +55,7 @@ def is_glob(path: str) -> bool:
 
 def is_zarr(path: str, options: Mapping[str, Any] | None = None) -> bool:
     """Whether ``path`` is a Zarr store (a folder, or a URL prefix, with Zarr metadata)."""
-    if remote.is_url(path):
-        with remote.translated(path, "input", InputError, STAGE, options):
-            return any(remote.exists(f"{path.rstrip('/')}/{m}", options) for m in ZARR_MARKERS)
-    p = Path(path)
-    return p.is_dir() and any((p / m).exists() for m in ZARR_MARKERS)
+    return storage.at(path, options).holds_any(ZARR_MARKERS, ("input", InputError, STAGE))
 
 
 def expand(path: str | Sequence[str], options: Mapping[str, Any] | None = None) -> list[str]:
@@ -74,22 +68,15 @@ def expand(path: str | Sequence[str], options: Mapping[str, Any] | None = None) 
         raise InputError("load.path is an empty list", stage=STAGE, fix="list at least one file")
     out: list[str] = []
     for item in items:
-        url = remote.is_url(item)
-        if not url:
-            item = os.path.abspath(os.path.expanduser(item))
-        if is_glob(item) and (url or not os.path.exists(item)):  # a folder may be "exp[2]"
-            if url:
-                with remote.translated(item, "input", InputError, STAGE, options):
-                    matches = remote.glob(item, options)
-            else:
-                matches = sorted(glob.glob(item))
+        where = storage.at(storage.at(item).absolute(), options)
+        item = where.text
+        if where.is_pattern():  # a folder may be "exp[2]"
+            matches = where.glob(("input", InputError, STAGE))
             if not matches:
                 raise InputError(
-                    f"load.path {item!r} matches no {'object' if url else 'file'}",
+                    f"load.path {item!r} matches no {where.noun}",
                     stage=STAGE,
-                    fix="check the pattern and the bucket's prefix (keys are case-sensitive)"
-                    if url
-                    else f"check the pattern and the folder ({relative_paths()})",
+                    fix=where.glob_fix(relative_paths()),
                 )
             out += matches
         else:
@@ -99,13 +86,7 @@ def expand(path: str | Sequence[str], options: Mapping[str, Any] | None = None) 
 
 def store_files(store: str, options: Mapping[str, Any] | None = None) -> list[str]:
     """Every file inside a Zarr store, sorted (what its digest covers)."""
-    if remote.is_url(store):
-        with remote.translated(store, "Zarr store", InputError, STAGE, options):
-            return list(remote.find(store, options))
-    found = []
-    for root, _dirs, names in os.walk(store):
-        found += [os.path.join(root, n) for n in names]
-    return sorted(found)
+    return storage.at(store, options).files_under(("Zarr store", InputError, STAGE))
 
 
 # ---------------------------------------------------------------- digests
@@ -190,9 +171,7 @@ def set_digest(per_file: dict[str, dict[str, Any]], root: str | None = None) -> 
 
 
 def _relative(path: str, root: str) -> str:
-    if remote.is_url(root):
-        return path[len(root.rstrip("/")) + 1 :]
-    return os.path.relpath(path, root)
+    return storage.at(root).relative(path)
 
 
 # ---------------------------------------------------------------- combining

@@ -40,7 +40,7 @@ from gridsolve.schemas.errors import ContractError, GridsolveError, InputError, 
 from gridsolve.schemas.kinds.load import DemoLoad, IndexRange, LabelRange, NetCDFLoad
 from gridsolve.schemas.metadata import LoadMeta
 from gridsolve.schemas.pipeline import suggest
-from gridsolve.stages.engine import remote
+from gridsolve.stages.engine import storage
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.hashing import (
     ArrayHasher,
@@ -271,7 +271,7 @@ class Source:
 
 def local(path: str, options: Mapping[str, Any] | None = None) -> str:
     """``path``, or for a URL a verified local copy of the object (NetCDF needs a file)."""
-    return remote.local_copy(path, options) if remote.is_url(path) else path
+    return storage.at(path, options).readable()
 
 
 def _open_zarr(store: str, raw: bool, options: Mapping[str, Any] | None = None) -> xr.Dataset:
@@ -279,7 +279,7 @@ def _open_zarr(store: str, raw: bool, options: Mapping[str, Any] | None = None) 
         with _OPEN_LOCK:
             ds: xr.Dataset = xr.open_zarr(
                 store,
-                storage_options=remote.storage_options(options) if remote.is_url(store) else None,
+                storage_options=storage.at(store, options).open_options(),
                 chunks=None,
                 mask_and_scale=not raw,
                 decode_times=not raw,
@@ -302,8 +302,7 @@ _OPENED: dict[tuple[tuple[str, ...], bool, str], xr.Dataset] = {}
 def _open_files(files: tuple[str, ...], obs_dim: str, raw: bool, options: str = "") -> xr.Dataset:
     given = files
     opts = json.loads(options) if options else {}
-    if any(remote.is_url(f) for f in files):
-        files = tuple(local(f, opts) for f in files)  # per object version: a new one, a new path
+    files = tuple(local(f, opts) for f in files)  # per object version: a new one, a new path
     ident = canonical_json([file_identity(f) for f in files])
     key = (files, raw, ident)
     with _OPEN_LOCK:
@@ -1702,7 +1701,7 @@ def _same_content(src: Mapping[str, Any], content_hash: str, now: Mapping[str, i
 def _set_changed(src: Mapping[str, Any]) -> str | None:
     """The first file of a file set or Zarr store whose bytes differ from what ``locate`` saw."""
     files: Mapping[str, Any] = src.get("files") or {}
-    if any(remote.is_url(f) for f in files):
+    if any(storage.at(f).local is None for f in files):  # objects: compared by their ETags
         base = Source.from_description(src["source"])
         try:
             store = base.path if base.zarr else None
@@ -1807,7 +1806,7 @@ def read_block(meta: Mapping[str, Any], role: str, tile: Tile) -> np.ndarray:
 def _single(config: NetCDFLoad) -> str | None:
     """The one NetCDF file ``load.path`` names, or None for a file set or a Zarr store."""
     if isinstance(config.path, str) and not filesets.is_glob(config.path):
-        if remote.is_url(config.path):
+        if storage.at(config.path).local is None:
             return None  # objects are keyed by their ETags, as a set of one
         path = os.path.abspath(os.path.expanduser(config.path))
         return None if filesets.is_zarr(path) else path
@@ -1838,7 +1837,7 @@ def _digest_cache(ctx: StageContext) -> Path:
 def _set_facts(config: NetCDFLoad, ctx: StageContext) -> tuple[dict[str, Any], str, str | None]:
     """Per-file identities and digests of a file set or store, its one digest, and the store."""
     members, store = _members(config)
-    if any(remote.is_url(m) for m in members):
+    if any(storage.at(m).local is None for m in members):  # objects: their ETags, not bytes
         per = filesets.remote_digests(members, config.storage_options, store)
     else:
         per = filesets.digests(members, _digest_cache(ctx))

@@ -28,7 +28,7 @@ import numpy as np
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
 from gridsolve.schemas.kinds.write import NetCDFWrite
 from gridsolve.schemas.metadata import LoadMeta
-from gridsolve.stages.engine import remote
+from gridsolve.stages.engine import remote, storage
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.outputs import Extension, OutputVariable
 from gridsolve.stages.engine.paths import atomic_file, sweep_dead_temporaries
@@ -254,7 +254,7 @@ def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> St
     """Write the output NetCDF; the stored artifact records its size and checksum."""
     attrs = run_attrs(config, inputs, ctx)
     tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
-    if remote.is_url(config.path):
+    if storage.at(config.path).local is None:  # staged here, uploaded, then published
         return _run_to_url(config, inputs, tiled, attrs, extensions(inputs))
     extras = extensions(inputs)
     path = write_netcdf(config, inputs["load"], inputs["design"], tiled, attrs, extras)

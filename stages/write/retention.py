@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gridsolve.schemas.base import is_url
 from gridsolve.schemas.errors import GridsolveError
+from gridsolve.stages.engine import storage
 from gridsolve.stages.engine.hashing import hash_text
 from gridsolve.stages.engine.paths import (
     BESIDE_SUFFIXES,
@@ -113,9 +113,14 @@ def _read_by_run(path: Path, reads: Sequence[Place]) -> Place | None:
     return None
 
 
+def _on_disk(path: str) -> bool:
+    """Whether ``path`` is on this host's file system (retention lists folders; not buckets)."""
+    return storage.at(path).local is not None
+
+
 def outputs_read(template: str, reads: Sequence[Place]) -> list[tuple[Path, Place]]:
     """The outputs matching ``template`` that the run reads (or whose siblings it reads)."""
-    if not reads or is_url(template) or not is_template(template):
+    if not reads or not _on_disk(template) or not is_template(template):
         return []
     found = ((p, _read_by_run(p, reads)) for p in matching_outputs(template))
     return [(p, r) for p, r in found if r is not None]
@@ -131,7 +136,7 @@ def ledger_path(template: str, owner: str) -> Path:
 
 def record_output(template: str, written: str, owner: str) -> None:
     """Record that ``owner``'s run wrote ``written`` from ``template`` (local templates only)."""
-    if is_url(template) or is_url(written) or not is_template(template) or not written:
+    if not _on_disk(template) or not _on_disk(written) or not is_template(template) or not written:
         return
     # beside the outputs, so inside the folders this worker may write to
     ledger = ensure_allowed(ledger_path(template, owner), "keep_last ledger")
@@ -179,7 +184,7 @@ def keep_last(
     (:func:`record_output`) are candidates. Nothing happens for a URL or a path
     without placeholders.
     """
-    if is_url(template) or is_url(written) or not is_template(template):
+    if not _on_disk(template) or not _on_disk(written) or not is_template(template):
         return []
     protected = {p for p, _ in outputs_read(template, reads)}
     mine = Path(written).expanduser().resolve()
@@ -238,7 +243,7 @@ def apply_keep_last(
         )
     if n is None:
         return []
-    if is_url(template):
+    if not _on_disk(template):
         logger.info("write.keep_last is not applied to %s: local paths only", template)
         return []
     if not is_template(template):

@@ -18,8 +18,7 @@ from typing import Any
 from gridsolve.schemas.errors import OutputError
 from gridsolve.schemas.kinds.write import NetCDFWrite, ZarrWrite
 from gridsolve.schemas.metadata import WriteMeta
-from gridsolve.stages.engine import remote
-from gridsolve.stages.engine.hashing import file_digest
+from gridsolve.stages.engine import remote, storage
 from gridsolve.stages.engine.paths import ensure_allowed, ensure_allowed_url
 from gridsolve.stages.engine.provenance import ZARR_MARKERS, is_gridsolve_output
 
@@ -97,7 +96,7 @@ def check_write_target(config: Any) -> None:
     Local outputs are checked by the writer (their folder is made then); a
     plugin writer's config without ``path``/``overwrite`` is left to the plugin.
     """
-    if isinstance(config, NetCDFWrite | ZarrWrite) and remote.is_url(config.path):
+    if isinstance(config, NetCDFWrite | ZarrWrite) and storage.at(config.path).local is None:
         check_output_url(
             config.path,
             config.overwrite,
@@ -198,27 +197,16 @@ def staging_root() -> Path:
 
 def url_facts(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
     """URL, size and ETag of an object the writer made, and how to reach it (no credentials)."""
-    ident = remote.object_identity(url, options)
-    return {"path": url, **ident, "storage_options": dict(options)}
+    return storage.at(url, options).facts()
 
 
 def file_facts(path: Path) -> dict[str, Any]:
     """Path, size and xxh3 of a file the writer made (what ``still_valid`` checks)."""
-    return {"path": str(path), "size": path.stat().st_size, "xxh3": file_digest(path)}
+    return storage.at(path).facts()
 
 
 def _unchanged(facts: Mapping[str, Any]) -> bool:
-    if remote.is_url(facts["path"]):
-        try:
-            now = remote.object_identity(facts["path"], facts.get("storage_options"))
-        except Exception:  # gone, or unreachable: write it again
-            return False
-        return bool(now == {k: facts.get(k) for k in now})
-    p = Path(facts["path"])
-    try:
-        return bool(p.stat().st_size == facts["size"] and file_digest(p) == facts["xxh3"])
-    except OSError:
-        return False
+    return storage.at(facts["path"], facts.get("storage_options")).unchanged(facts)
 
 
 def still_valid(meta: Mapping[str, Any]) -> bool:
@@ -234,12 +222,7 @@ def side_facts(
     Objects beside a URL output are identified as :func:`url_facts` does (``options``:
     the bucket's storage options), local files as :func:`file_facts` does.
     """
-    facts = {
-        s: url_facts(f"{output}{s}", options or {})
-        if remote.is_url(str(output))
-        else file_facts(Path(f"{output}{s}"))
-        for s in suffixes
-    }
+    facts = {s: storage.at(f"{output}{s}", options).facts() for s in suffixes}
     return {"side_files": facts} if facts else {}
 
 

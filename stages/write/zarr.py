@@ -27,7 +27,7 @@ import xarray as xr
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
 from gridsolve.schemas.kinds.write import ZarrWrite
 from gridsolve.schemas.metadata import LoadMeta, WriteMeta
-from gridsolve.stages.engine import remote
+from gridsolve.stages.engine import remote, storage
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
 from gridsolve.stages.engine.paths import BESIDE_SUFFIXES, atomic_folder, sweep_dead_temporaries
@@ -179,7 +179,7 @@ def write_zarr(
     extras: Sequence[Extension] = (),
 ) -> Path | str:
     """Write the output store (complete, then renamed into place) and return its path."""
-    if remote.is_url(config.path):
+    if storage.at(config.path).local is None:  # a bucket has no rename: written in place
         return _write_to_url(config, load, design, tiled, attrs, extras)
     final = check_output_path(config.path, config.overwrite, folder=True, stage=STAGE)
     sweep_dead_temporaries(final)
@@ -315,7 +315,7 @@ def _store_facts(path: Path) -> dict[str, Any]:
 def still_valid(meta: Mapping[str, Any]) -> bool:
     """Whether the store (and its side files) a stored write artifact describes are intact."""
     typed = WriteMeta.of(meta)
-    if remote.is_url(typed.path):
+    if storage.at(typed.path).local is None:
         try:
             if _url_facts(typed.path, typed.storage_options) != dict(
                 {k: v for k, v in meta.items() if k != "side_files"}
