@@ -427,7 +427,7 @@ def _run(config_path: Path, overrides: Sequence[str], debug: bool = False) -> in
     from gridsolve.flows.failures import install
     from gridsolve.flows.pipeline import run_config
     from gridsolve.schemas.reading import load_config
-    from gridsolve.stages.engine.paths import refuse_destructive_outputs
+    from gridsolve.stages.engine.overlap import refuse_destructive_outputs
 
     if not debug:
         install(cli=True)  # main() prints a user error; Prefect's console log must not repeat it
@@ -471,7 +471,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from gridsolve.schemas.kinds.model import ModuleModel
     from gridsolve.schemas.reading import config_to_yaml, load_config
     from gridsolve.stages.engine import storage
-    from gridsolve.stages.engine.paths import refuse_destructive_outputs
+    from gridsolve.stages.engine.overlap import refuse_destructive_outputs
     from gridsolve.stages.engine.store import open_store
     from gridsolve.stages.load.netcdf import check_opens
     from gridsolve.stages.write.target import check_write_target

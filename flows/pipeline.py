@@ -64,12 +64,8 @@ from gridsolve.schemas.pipeline import (
 from gridsolve.schemas.reading import deployment_home, resolved_path
 from gridsolve.stages.engine import storage
 from gridsolve.stages.engine.context import StageContext
-from gridsolve.stages.engine.paths import (
-    ensure_input_allowed,
-    ensure_module_allowed,
-    refuse_destructive_outputs,
-    run_reads,
-)
+from gridsolve.stages.engine.overlap import refuse_destructive_outputs, run_reads
+from gridsolve.stages.engine.paths import ensure_input_allowed, ensure_module_allowed
 from gridsolve.stages.engine.plan import (
     Plan,
     Step,

@@ -9,7 +9,7 @@ and ``<output>.weights.safetensors``.
 What is never deleted: the output this run just wrote; an output the run
 reads or that holds what it reads (a ``load`` file, ``model.weights``, the
 config file, the cache root or anything inside it, compared as
-:func:`~gridsolve.stages.engine.paths.refuse_destructive_outputs` compares)
+:func:`~gridsolve.stages.engine.overlap.refuse_destructive_outputs` compares)
 or whose side file it reads (its weights as ``model.weights``): it is logged
 as kept and does not count toward N, so the N newest outputs the run does
 not read (this run's among them) still remain beside it; an output modified
@@ -44,13 +44,8 @@ from typing import Any
 from gridsolve.schemas.errors import GridsolveError
 from gridsolve.stages.engine import storage
 from gridsolve.stages.engine.hashing import hash_text
-from gridsolve.stages.engine.paths import (
-    BESIDE_SUFFIXES,
-    Place,
-    atomic_file,
-    ensure_allowed,
-    read_by_run,
-)
+from gridsolve.stages.engine.overlap import Place, read_by_run
+from gridsolve.stages.engine.paths import BESIDE_SUFFIXES, atomic_file, ensure_allowed
 from gridsolve.stages.engine.provenance import is_gridsolve_output
 
 #: What the writer and the flow put beside an output ``<output><suffix>``.
@@ -178,7 +173,7 @@ def keep_last(
 
     ``written``: this run's output (always kept); ``started_ns``: when this run
     started (outputs modified since then belong to concurrent runs: kept);
-    ``reads``: what the run reads (:func:`~gridsolve.stages.engine.paths.run_reads`):
+    ``reads``: what the run reads (:func:`~gridsolve.stages.engine.overlap.run_reads`):
     an output that is one of them, or whose sibling is, is kept and not counted.
     Deletes the outputs' siblings too. Only outputs ``owner`` recorded
     (:func:`record_output`) are candidates. Nothing happens for a URL or a path

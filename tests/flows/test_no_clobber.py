@@ -190,7 +190,7 @@ def test_trained_weights_over_the_weights_read_are_refused(tmp_path: Path) -> No
 
 
 def test_object_store_urls_are_compared_normalised(tmp_path: Path) -> None:
-    from gridsolve.stages.engine.paths import refuse_destructive_outputs
+    from gridsolve.stages.engine.overlap import refuse_destructive_outputs
 
     cfg = config(tmp_path, "s3://Bucket/data/cube.nc", {"path": "s3://bucket//data/x/../cube.nc"})
     with pytest.raises(

@@ -179,7 +179,7 @@ def test_a_store_is_ours_by_its_provenance_whatever_its_format(
 def test_an_output_the_run_reads_is_kept_said_and_not_counted(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from gridsolve.stages.engine.paths import Place
+    from gridsolve.stages.engine.overlap import Place
 
     old = time.time() - 3600
     names = ["o-2024-01-01.nc", "o-2024-01-02.nc", "o-2024-01-03.nc", "o-2024-01-04.nc"]
