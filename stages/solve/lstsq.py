@@ -13,7 +13,7 @@ Per tile, pixels are grouped by their pattern of valid observations:
   matrix product;
 * the other pixels (clouds: nearly every pixel its own pattern) and pixels
   with their own weights are solved with per-pixel normal equations in float64
-  (see :mod:`stages.linalg`).
+  (see :mod:`stages.solve.linalg`).
 
 Pixels with no valid observation, or fewer than ``min_valid``, get NaN
 coefficients and a status code; so do those a policy cannot solve.
@@ -54,17 +54,39 @@ from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_de
 from gridsolve.stages.engine.store import Artifact, StageOutput, native_order
 from gridsolve.stages.load import patterns
 from gridsolve.stages.solve import kernel, linalg
+from gridsolve.stages.solve.columns import (
+    colmm,
+    colmm_sub,
+    column_rms,
+    host_empty,
+    residual_moments,
+    stable_sum,
+)
+from gridsolve.stages.solve.dual import gapwise_dual
+from gridsolve.stages.solve.policy import (
+    ALL_MISSING,
+    FELL_BACK_RIDGE,
+    OK,
+    REFINE_COND,
+    SINGULAR,
+    SOLVED,
+    TOO_FEW,
+    UNDERDETERMINED,
+    Policy,
+)
+from gridsolve.stages.solve.shared_operator import (
+    Operator,
+    operator_spread,
+    spans_constant,
+    svd_operator,
+)
+from gridsolve.stages.solve.spread import Spread, spread_bytes
 
 STAGE = "solve/lstsq"
 
 #: Above this condition number a float32 solve loses more than ~0.1% (measured
 #: in tests/stages/test_solve.py); refuse it and ask for float64.
 FLOAT32_MAX_COND = 1e4
-#: A shared or gap-pattern operator of a design whose (raw) condition number is at
-#: least this is refined once against the data (two more matrix products); below it
-#: the refinement changes nothing measurable (NIST's Norris, cond 9e2, gains nothing;
-#: Wampler1-5, cond 6e6, gain 2 digits in the standard errors) and is skipped.
-REFINE_COND = linalg.REFINE_COND
 #: Under float32, a pixel whose float32 products may err by more than this
 #: fraction of its residual RMS is computed in float64 (and stored as float32):
 #: the products' rounding is about eps32 · √obs · max |b|, which swamps the
@@ -87,9 +109,9 @@ UNCERTAINTY_OUTPUTS = {
 }
 
 
-def policy_of(config: LstsqSolve) -> linalg.Policy:
+def policy_of(config: LstsqSolve) -> Policy:
     """The numerical policy a config asks for."""
-    return linalg.Policy(config.policy, config.ridge, config.rcond, config.fallback)
+    return Policy(config.policy, config.ridge, config.rcond, config.fallback)
 
 
 def min_valid_of(config: LstsqSolve, coef: int) -> int:
@@ -173,7 +195,7 @@ def make_operator(
     A, sqrtw = native_order(A), native_order(sqrtw)
     n_obs, coef = A.shape
     _refuse_zero_weights(sqrtw)
-    op = linalg.svd_operator(A * sqrtw[:, None], policy_of(config), svd=svd)
+    op = svd_operator(A * sqrtw[:, None], policy_of(config), svd=svd)
     _refuse_singular_cholesky(op, config, n_obs, coef)
     _refuse_coarse_float32(op, config)
     Q = _residual_basis(A, sqrtw, op, config)
@@ -188,7 +210,7 @@ def make_operator(
         min_valid=min_valid_of(config, coef),
         data_max=data_max,
         identifiable=op.identifiable,
-        spans_const=linalg.spans_constant(A[sqrtw > 0], policy_of(config)),
+        spans_const=spans_constant(A[sqrtw > 0], policy_of(config)),
         determined=op.determined,
     )
 
@@ -204,11 +226,9 @@ def _refuse_zero_weights(sqrtw: np.ndarray) -> None:
         )
 
 
-def _refuse_singular_cholesky(
-    op: linalg.Operator, config: LstsqSolve, n_obs: int, coef: int
-) -> None:
+def _refuse_singular_cholesky(op: Operator, config: LstsqSolve, n_obs: int, coef: int) -> None:
     """Raise a NumericalError when policy cholesky meets a design it cannot factorise."""
-    if config.policy == "cholesky" and op.status != linalg.OK:
+    if config.policy == "cholesky" and op.status != OK:
         why = (
             f"coef ({coef}) > obs ({n_obs}), so AᵀA is singular"
             if coef > n_obs
@@ -224,7 +244,7 @@ def _refuse_singular_cholesky(
         )
 
 
-def _refuse_coarse_float32(op: linalg.Operator, config: LstsqSolve) -> None:
+def _refuse_coarse_float32(op: Operator, config: LstsqSolve) -> None:
     """Raise a NumericalError when float32 cannot resolve a design this ill-conditioned."""
     if config.dtype == "float32" and op.cond > FLOAT32_MAX_COND:
         raise NumericalError(
@@ -239,13 +259,13 @@ def _refuse_coarse_float32(op: linalg.Operator, config: LstsqSolve) -> None:
 
 
 def _residual_basis(
-    A: np.ndarray, sqrtw: np.ndarray, op: linalg.Operator, config: LstsqSolve
+    A: np.ndarray, sqrtw: np.ndarray, op: Operator, config: LstsqSolve
 ) -> np.ndarray | None:
     """The :attr:`SharedOperator.Q` of this design, or None where it does not apply or pay."""
     rank_left = A.shape[0] - op.rank
     if (
         # underdetermined: the minimum-norm fit is still the projection onto range(A)
-        op.status in (linalg.OK, linalg.UNDERDETERMINED)
+        op.status in (OK, UNDERDETERMINED)
         and config.policy != "ridge"
         and (sqrtw == 1).all()
         and rank_left <= A.shape[1]
@@ -401,33 +421,33 @@ def _fit(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     Bt = torch.from_numpy(np.ascontiguousarray(B, dtype=dtype)).to(device)
     Pt = torch.from_numpy(np.ascontiguousarray(P, dtype=dtype)).to(device)
-    Ct = linalg.colmm(Pt, Bt, out=linalg.host_empty((P.shape[0], B.shape[1]), Pt.dtype, device))
+    Ct = colmm(Pt, Bt, out=host_empty((P.shape[0], B.shape[1]), Pt.dtype, device))
     if refine:
         # one correction against the data: P's rounding grows with the design's
         # condition, the residual's does not (Wampler1: residual 1e-7 → 2e-10, QR's 7e-10)
         At = torch.from_numpy(np.ascontiguousarray(A, dtype=dtype)).to(device)
-        Ct += linalg.colmm(Pt, Bt - linalg.colmm(At, Ct))
+        Ct += colmm(Pt, Bt - colmm(At, Ct))
         Q = None  # the residual of the refined coefficients, below
     if Q is not None:
-        R = linalg.colmm(torch.from_numpy(np.ascontiguousarray(Q, dtype=dtype)).to(device), Bt)
+        R = colmm(torch.from_numpy(np.ascontiguousarray(Q, dtype=dtype)).to(device), Bt)
     else:
         At = torch.from_numpy(np.ascontiguousarray(A, dtype=dtype)).to(device)
-        R = Bt - linalg.colmm(At, Ct)
+        R = Bt - colmm(At, Ct)
     n = B.shape[0]
-    rms = linalg.column_rms(R, n)
+    rms = column_rms(R, n)
     if sw is None:
         return Ct.cpu().numpy(), rms.cpu().numpy(), None, None
     # Q is only used unweighted: then the weighted residual RMS is the RMS itself.
     unit = bool((sw == 1).all())
     swt = torch.from_numpy(np.ascontiguousarray(sw[:, None], dtype=dtype)).to(device)
-    wrms = rms if unit else linalg.column_rms(R * swt, n)
+    wrms = rms if unit else column_rms(R * swt, n)
     if centred:
         w = swt * swt
-        mean = linalg.stable_sum(Bt * w) / w.sum()
+        mean = stable_sum(Bt * w) / w.sum()
         D = Bt - mean[None, :] if unit else (Bt - mean[None, :]) * swt
     else:
         D = Bt if unit else Bt * swt
-    trms = linalg.column_rms(D, n)
+    trms = column_rms(D, n)
     return (
         Ct.cpu().numpy(),
         rms.cpu().numpy(),
@@ -446,7 +466,7 @@ def _refuse_out_of_range(
     bad = ~np.isfinite(rms)
     if not bad.any():
         return
-    bad &= np.isin(status, linalg.SOLVED)
+    bad &= np.isin(status, SOLVED)
     if not bad.any():
         return
     first = int(np.flatnonzero(bad)[0])
@@ -601,8 +621,8 @@ class _Moments:
             np.ascontiguousarray(edf, dtype=np.float64),
             self.config.policy == "ridge",
             self.config.cov_scale == "residual",
-            linalg.SOLVED,
-            linalg.FELL_BACK_RIDGE,
+            SOLVED,
+            FELL_BACK_RIDGE,
             dest,
         )
         if not direct:
@@ -633,11 +653,11 @@ def _shared_spread(
     if op.determined is not None:  # ridge's spread of a column the rows do not determine
         ident = ident & op.determined
     Pw, Aw = op.P[:, rows] / sw[None, :], op.A[rows] * sw[:, None]
-    return linalg.operator_spread(Pw, Aw, ident, full)
+    return operator_spread(Pw, Aw, ident, full)
 
 
 def _solved(C: np.ndarray, status: np.ndarray) -> np.ndarray:
-    solved: np.ndarray = np.isin(status, linalg.SOLVED) & np.isfinite(C).all(axis=0)
+    solved: np.ndarray = np.isin(status, SOLVED) & np.isfinite(C).all(axis=0)
     return solved
 
 
@@ -667,7 +687,7 @@ def _statistics(
         # the effective rank is an integer unless ridge shrinks it: drop its rounding
         if config.policy != "ridge":
             whole = np.round(dof)
-            exact = (np.abs(dof - whole) <= 1e-6) & (status != linalg.FELL_BACK_RIDGE)
+            exact = (np.abs(dof - whole) <= 1e-6) & (status != FELL_BACK_RIDGE)
             dof = np.where(exact, whole, dof) + 0.0  # no −0
         if config.cov_scale == "residual":
             # σ = wrms·√(n/dof), in roots so that squares of extreme data cannot overflow
@@ -701,7 +721,7 @@ class _Block:
     config: LstsqSolve
     dtype: np.dtype  # of the stored results
     device: torch.device
-    pol: linalg.Policy
+    pol: Policy
     full: bool  # the covariance is asked for
     mom: _Moments | None  # None: no uncertainty asked for
     clock: float  # when the block started (perf_counter)
@@ -845,7 +865,7 @@ def _solve_gapless(blk: _Block) -> StageOutput:
     )
     blk.paths["shared"] = n_px
     if op.determined is not None:
-        blk.status[:] = linalg.UNDERDETERMINED
+        blk.status[:] = UNDERDETERMINED
     arrays = {
         "coefficients": C,
         "residual_rms": rms,
@@ -889,8 +909,8 @@ def _start_gappy(blk: _Block, finite: np.ndarray, own_weights: np.ndarray | None
     # summed as bytes (numpy sums bools through int64: 10× slower); a count ≤ 255 fits one
     acc = np.uint8 if valid.shape[0] <= 255 else np.int32
     n_valid = np.add.reduce(valid.view(np.uint8), axis=0, dtype=acc).astype(np.int32)
-    status[n_valid == 0] = linalg.ALL_MISSING
-    status[(n_valid > 0) & (n_valid < op.min_valid)] = linalg.TOO_FEW
+    status[n_valid == 0] = ALL_MISSING
+    status[(n_valid > 0) & (n_valid < op.min_valid)] = TOO_FEW
     solvable = n_valid >= op.min_valid
     return _Gappy(valid, n_valid, solvable, solvable.copy(), C, rms)
 
@@ -942,7 +962,7 @@ def _solve_group(
         refine=_refines(blk, gop.cond),
     )
     blk.status[idx] = gop.status
-    if gop.determined is not None and gop.status != linalg.SINGULAR:
+    if gop.determined is not None and gop.status != SINGULAR:
         g.mark(idx, ~gop.determined[:, None])
     if mom is not None and gop.spread is not None:
         mom.put(idx, g.C[:, idx], g.n_valid[idx], blk.status[idx], wrms, trms, *gop.spread)
@@ -963,7 +983,7 @@ def _shared_restricted(blk: _Block, rows: np.ndarray) -> _GroupOperator:
     return _GroupOperator(
         P=op.P[:, rows],
         Q=op.Q if rows.all() else None,
-        status=linalg.OK if op.determined is None else linalg.UNDERDETERMINED,
+        status=OK if op.determined is None else UNDERDETERMINED,
         cond=op.cond,
         path="shared",
         spans=op.spans_const,
@@ -975,7 +995,7 @@ def _shared_restricted(blk: _Block, rows: np.ndarray) -> _GroupOperator:
 def _pattern_operator(blk: _Block, rows: np.ndarray) -> _GroupOperator:
     """A gap pattern's own SVD operator, on its valid observations ``rows``."""
     A, sqrtw = blk.op.A, blk.op.sqrtw
-    g_op = linalg.svd_operator(A[rows] * sqrtw[rows, None], blk.pol)
+    g_op = svd_operator(A[rows] * sqrtw[rows, None], blk.pol)
     P = g_op.P * sqrtw[rows][None, :]
     spread: tuple[np.ndarray, float, np.ndarray | None] | None = None
     spans = blk.op.spans_const
@@ -985,8 +1005,8 @@ def _pattern_operator(blk: _Block, rows: np.ndarray) -> _GroupOperator:
         ident = g_op.identifiable if g_op.identifiable is not None else np.ones(A.shape[1], bool)
         if g_op.determined is not None:  # ridge's spread of a column the rows do not determine
             ident = ident & g_op.determined
-        spread = linalg.operator_spread(g_op.P, Aw, ident, blk.full)
-        spans = spans or linalg.spans_constant(A[rows], blk.pol)
+        spread = operator_spread(g_op.P, Aw, ident, blk.full)
+        spans = spans or spans_constant(A[rows], blk.pol)
     return _GroupOperator(
         P=P,
         Q=None,
@@ -1014,14 +1034,14 @@ def _solve_per_pixel(
             unweighted=bool((op.sqrtw == 1).all()),
             own_weights=own_weights,
         )
-        by_gaps = linalg.gapwise_dual(systems.At, blk.pol, blk.mom is not None, systems.unit)
+        by_gaps = gapwise_dual(systems.At, blk.pol, blk.mom is not None, systems.unit)
         max_gaps = op.A.shape[0] - int(g.n_valid[todo].min())
         chunk = _per_pixel_chunk(blk, memory_budget, max_gaps if by_gaps is not None else None)
         for sel, active in _per_pixel_batches(todo, g.per_pixel, blk.B.shape[1], chunk):
             if not active.any():
                 continue
             _solve_batch(blk, g, systems, sel, active)
-        g.rms[todo[blk.status[todo] == linalg.SINGULAR]] = np.nan
+        g.rms[todo[blk.status[todo] == SINGULAR]] = np.nan
     blk.seconds["per_pixel"] = time.perf_counter() - t0
 
 
@@ -1030,7 +1050,7 @@ def _per_pixel_chunk(blk: _Block, memory_budget: int, max_gaps: int | None) -> i
     config = blk.config
     n_obs, coef = blk.op.A.shape
     if max_gaps is not None:
-        # linalg._dual_schur: a dozen obs-long vectors, the coefficients, and each
+        # dual._dual_schur: a dozen obs-long vectors, the coefficients, and each
         # pixel's gap block and its factor. Larger batches than the other paths: its
         # per-gap-count loops cost per batch, not per pixel.
         per_px = 8 * (12 * n_obs + 3 * coef + max_gaps * max_gaps)
@@ -1040,7 +1060,7 @@ def _per_pixel_chunk(blk: _Block, memory_budget: int, max_gaps: int | None) -> i
     per_px_bytes = 8 * (3 * big * big + 8 * n_obs + 6 * coef)
     if blk.mom is not None:  # the spread's per-pixel factors, and the moments' columns
         dual = config.policy != "cholesky" and coef > n_obs
-        per_px_bytes += linalg.spread_bytes(
+        per_px_bytes += spread_bytes(
             coef, n_obs, blk.full, config.policy == "ridge", dual, blk.device
         )
     fit = chunk_size(work_share(memory_budget), per_px_bytes, minimum=1024)
@@ -1161,8 +1181,8 @@ def _with_qr_rss(done: _Solved, rss: torch.Tensor, n_v: torch.Tensor, unit: bool
     """``done`` with the weighted residual RMS from the spread's residual sum (where it has one).
 
     The residuals ``b − Ac`` of a design at float64's limit (equilibrated condition ≥
-    ``linalg.QR_SPREAD_COND``) lose digits to the columns' cancellation; the spread's
-    compensated ones do not (see ``linalg._qr_spread``). With unit weights the plain
+    ``policy.QR_SPREAD_COND``) lose digits to the columns' cancellation; the spread's
+    compensated ones do not (see ``spread._qr_spread``). With unit weights the plain
     RMS is the weighted one (so such a design's ``residual_rms`` is the more exact one
     when uncertainty is asked for).
     """
@@ -1184,14 +1204,14 @@ def _undetermined(
     underdetermined. None when no pixel of the batch is.
     """
     coef = blk.op.A.shape[1]
-    short = active & (g.n_valid[sel] < coef) & (status != linalg.SINGULAR)
-    short |= active & (status == linalg.UNDERDETERMINED)
+    short = active & (g.n_valid[sel] < coef) & (status != SINGULAR)
+    short |= active & (status == UNDERDETERMINED)
     shared = blk.op.determined
     if shared is not None:
         # the whole design leaves coefficients undetermined, so does every subset of its
         # rows; a pixel's own ridge factorisation succeeds all the same (found by the
         # property test: ridge on a design with two equal columns gave ok pixels)
-        short |= active & (status != linalg.SINGULAR)
+        short |= active & (status != SINGULAR)
     if not short.any():
         return None
     cols = np.flatnonzero(short)
@@ -1204,7 +1224,7 @@ def _undetermined(
         valid = torch.from_numpy(g.valid[:, idx].astype(np.float64)).to(blk.device)
         At = torch.from_numpy(blk.op.A).to(blk.device)
         out[:, cols] = ~linalg.determined_columns(At, valid, blk.pol).cpu().numpy()
-    status[cols[out[:, cols].any(axis=0)]] = linalg.UNDERDETERMINED
+    status[cols[out[:, cols].any(axis=0)]] = UNDERDETERMINED
     return out
 
 
@@ -1238,7 +1258,7 @@ class _Solved:
 
     x: torch.Tensor  # (coef, P) float64
     status: torch.Tensor  # (P,) int8
-    spread: linalg.Spread | None  # with uncertainty
+    spread: Spread | None  # with uncertainty
     rms: torch.Tensor  # (P,) residual RMS over the valid rows
     wrms: torch.Tensor | None  # weighted residual RMS (with uncertainty)
     trms: torch.Tensor | None  # weighted RMS of the data about its mean, or zero where
@@ -1287,12 +1307,10 @@ def _solve_batch_apart(
     # unit weights: the weighted RMS is the plain one; every pixel's rows span the
     # constant: R² is centred, so the uncentred sum is not needed either
     centred_only = unit and sp is not None and bool(sp.spans.all())
-    fused = linalg.residual_moments(
-        At, B0, Wp, x, n_v, full=mom is not None, centred_only=centred_only
-    )
+    fused = residual_moments(At, B0, Wp, x, n_v, full=mom is not None, centred_only=centred_only)
     if fused is None:
-        R = linalg.colmm_sub(B0, At, x).mul_(valid_rows()[1])
-        r_t = linalg.column_rms(R, n_v)
+        R = colmm_sub(B0, At, x).mul_(valid_rows()[1])
+        r_t = column_rms(R, n_v)
         if sp is None:
             return _Solved(x, px_status, sp, r_t, None, None)
         wr, tr = _batch_moments(R, B0, Wp, n_v, r_t, sp.spans, unit)
@@ -1319,15 +1337,13 @@ def _batch_moments(
     the constant (``spans``), else about zero. ``plain``: ``Wp`` is the 0/1 mask.
     """
     SW = Wp if plain else Wp.sqrt()
-    wr = r_t if plain else linalg.column_rms(R * SW, n_v)
+    wr = r_t if plain else column_rms(R * SW, n_v)
     # Means by a matrix product (one kernel, not a row-by-row sum): the centred sum
     # below is exact about any centre, and off by n·(error of the mean)², which is
     # far below its own rounding, so the mean need not be summed in a fixed order.
     ones = torch.ones((1, B0.shape[0]), dtype=B0.dtype, device=B0.device)
-    if plain:  # B0 is 0 where invalid, Σ Wp = n_valid
-        mean = linalg.colmm(ones, B0)[0] / n_v
-    else:
-        mean = linalg.colmm(ones, Wp * B0)[0] / linalg.colmm(ones, Wp)[0]
+    # plain: B0 is 0 where invalid, Σ Wp = n_valid
+    mean = colmm(ones, B0)[0] / n_v if plain else colmm(ones, Wp * B0)[0] / colmm(ones, Wp)[0]
 
     def centred(cols: slice | torch.Tensor) -> torch.Tensor:
         # plain: b − m on valid rows and 0 − 1·m·0 = 0 on the others, in one pass
@@ -1337,15 +1353,15 @@ def _batch_moments(
 
     # Σ d² by the same product (no fixed order needed: R² is not bit-compared); columns
     # whose sum overflowed or may have lost squares to underflow are redone with care.
-    ss = linalg.colmm(ones, centred(slice(None)).square_())[0]
+    ss = colmm(ones, centred(slice(None)).square_())[0]
     fi = torch.finfo(ss.dtype)
     redo = ~((ss >= 4 * B0.shape[0] * fi.tiny / fi.eps) & (ss <= fi.max))
     tr = torch.sqrt(ss / n_v)
     if bool(redo.any()):
         cols = torch.nonzero(redo).flatten()
-        tr[cols] = linalg.column_rms(centred(cols), n_v[cols])
+        tr[cols] = column_rms(centred(cols), n_v[cols])
     if not bool(spans.all()):
-        tr = torch.where(spans, tr, linalg.column_rms(B0 * SW, n_v))
+        tr = torch.where(spans, tr, column_rms(B0 * SW, n_v))
     return wr, tr
 
 

@@ -329,3 +329,23 @@ def test_a_writers_key_covers_how_its_inputs_describe_their_outputs() -> None:
     # the kinds' own keys do not: a new attribute text rewrites files, not solves
     for kind, impl in (("solve", "lstsq"), ("model", "multidim_linear")):
         assert not described & code_roots(get(kind, impl)), kind
+
+
+@pytest.mark.parametrize(
+    ("kind", "impl"), [("solve", "lstsq"), ("model", "multidim_linear"), ("train", "sgd")]
+)
+def test_every_module_of_a_kinds_numerics_is_part_of_its_code_version(kind: str, impl: str) -> None:
+    # A module split out of an implementation (stages/solve/linalg.py's pieces, ...) must
+    # still be imported at module level by the code the stage runs: an edit of it then
+    # changes the key. The registration, the contract and the output descriptions are
+    # not numerics (outputs.py is the writers', see above).
+    from gridsolve.stages.engine.registry import get
+    from gridsolve.stages.engine.runner import code_roots
+
+    folder = Path(versions.__file__).parent.parent / kind
+    expected = {
+        f"gridsolve.stages.{kind}.{p.stem}"
+        for p in folder.glob("*.py")
+        if p.stem not in ("__init__", "declare", "contract", "outputs")
+    }
+    assert expected <= set(versions.module_digests(code_roots(get(kind, impl))))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gridsolve.stages.solve.linalg import column_rms, stable_sum
+from gridsolve.stages.solve.columns import column_rms, stable_sum
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -19,7 +19,29 @@ import torch
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.engine.agreement import disagreements
 from gridsolve.stages.solve import kernel, linalg
+from gridsolve.stages.solve.cholesky import (
+    PackedFactor,
+    _step,
+    batched_cholesky,
+    cholesky_solve,
+    lower_pairs,
+    packed_cholesky,
+)
+from gridsolve.stages.solve.columns import residual_moments
 from gridsolve.stages.solve.lstsq import make_operator, solve_block
+from gridsolve.stages.solve.policy import (
+    FELL_BACK_MINNORM,
+    FELL_BACK_RIDGE,
+    OK,
+    PIVOT_TOL,
+    REFINE_STEPS,
+    REFINE_TOL,
+    SINGULAR,
+    UNDERDETERMINED,
+    Policy,
+)
+from gridsolve.stages.solve.primal import _primal, _primal_setup
+from gridsolve.stages.solve.spread import _primal_spread
 
 # Skipped only outside CI: in CI (CI=1) a machine without a C compiler fails these.
 needs_kernel = pytest.mark.skipif(
@@ -71,7 +93,7 @@ def _systems(n: int, p: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, tor
     g = torch.Generator().manual_seed(seed)
     A = torch.randn(3 * n + 2, n, dtype=torch.float64, generator=g)
     W = (torch.rand(A.shape[0], p, generator=g) > 0.2).double()
-    r, c = linalg.lower_pairs(n)
+    r, c = lower_pairs(n)
     G = ((A[:, r] * A[:, c]).T @ W).contiguous()
     G[:, 3] = torch.nan  # a NaN pixel
     G[:, 5] = 0.0  # an all-gap pixel
@@ -90,14 +112,14 @@ def _both(G: torch.Tensor, n: int, h: torch.Tensor, T: torch.Tensor) -> dict[str
             mp.setenv(kernel.ENV, how)
             kernel._library.cache_clear()
             Gc = G.clone()
-            ok = linalg.packed_cholesky(Gc, n)
-            L = linalg.PackedFactor(Gc, n)
+            ok = packed_cholesky(Gc, n)
+            L = PackedFactor(Gc, n)
             assert L.compiled == (how == "c")
             x = L.solve_(h.clone())
-            full = linalg._primal_spread(L, T, 0.0, True)
-            ridge = linalg._primal_spread(L, None, 0.3, False)
-            plain = linalg._primal_spread(L, T, 0.0, False)  # variances only
-            unit = linalg._primal_spread(L, None, 0.0, False)
+            full = _primal_spread(L, T, 0.0, True)
+            ridge = _primal_spread(L, None, 0.3, False)
+            plain = _primal_spread(L, T, 0.0, False)  # variances only
+            unit = _primal_spread(L, None, 0.0, False)
             out[how] = [ok, Gc, x, full.var, full.cov, ridge.var, ridge.edf, plain.var, unit.var]
     kernel._library.cache_clear()
     return out
@@ -126,19 +148,19 @@ def test_variances_fused_into_the_factorisation_equal_the_separate_pass(n: int) 
     p = 333  # not a multiple of the kernel's 64-pixel blocks
     G, _, T = _systems(n, p, seed=40 + n)
     Gc = G.clone()
-    ok = kernel.cholesky(Gc, n, linalg.PIVOT_TOL)
+    ok = kernel.cholesky(Gc, n, PIVOT_TOL)
     with_t = torch.empty(0)
     for t in (T, None):
         var, _ = kernel.spread(Gc, n, t, False)
         Gf, fused = G.clone(), torch.empty((n, p), dtype=torch.float64)
-        assert torch.equal(kernel.cholesky(Gf, n, linalg.PIVOT_TOL, spread=(t, fused)), ok)
+        assert torch.equal(kernel.cholesky(Gf, n, PIVOT_TOL, spread=(t, fused)), ok)
         assert torch.equal(Gf.isnan(), Gc.isnan())
         assert torch.equal(torch.nan_to_num(Gf), torch.nan_to_num(Gc))
         assert torch.equal(fused.isnan(), var.isnan())
         assert torch.equal(torch.nan_to_num(fused), torch.nan_to_num(var))
         with_t = fused if t is not None else with_t
     # and against numpy where the pixel factored: diag((TᵀG⁻¹T)) with Z = L⁻¹T
-    r, c = linalg.lower_pairs(n)
+    r, c = lower_pairs(n)
     for px in torch.nonzero(ok).flatten().tolist()[:20]:
         M = np.zeros((n, n))
         M[r.numpy(), c.numpy()] = G[:, px].numpy()
@@ -153,37 +175,37 @@ def test_solve_fused_into_the_factorisation_equals_the_separate_one(n: int) -> N
     p = 333
     G, h, T = _systems(n, p, seed=60 + n)
     Gc = G.clone()
-    ok = kernel.cholesky(Gc, n, linalg.PIVOT_TOL)
+    ok = kernel.cholesky(Gc, n, PIVOT_TOL)
     want = kernel.solve_(Gc, n, h.clone())
     Gf, got = G.clone(), h.clone()
     spread = (T, torch.empty((n, p), dtype=torch.float64)) if n <= kernel.MAX_ORDER else None
-    assert torch.equal(kernel.cholesky(Gf, n, linalg.PIVOT_TOL, spread=spread, rhs=got), ok)
+    assert torch.equal(kernel.cholesky(Gf, n, PIVOT_TOL, spread=spread, rhs=got), ok)
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
     with pytest.raises(ValueError, match="right-hand side"):
-        kernel.cholesky(G.clone(), n, linalg.PIVOT_TOL, rhs=h[:, :-1].clone())
+        kernel.cholesky(G.clone(), n, PIVOT_TOL, rhs=h[:, :-1].clone())
 
 
 @needs_kernel
 def test_fused_variances_refuse_what_they_cannot_take() -> None:
     G, _, T = _systems(17, 70, seed=3)
     with pytest.raises(ValueError, match="at most 16 columns"):
-        kernel.cholesky(G, 17, linalg.PIVOT_TOL, spread=(None, torch.empty((17, 70)).double()))
+        kernel.cholesky(G, 17, PIVOT_TOL, spread=(None, torch.empty((17, 70)).double()))
     G, _, T = _systems(4, 70, seed=3)
     with pytest.raises(ValueError, match="at most 16 columns"):
-        kernel.cholesky(G, 4, linalg.PIVOT_TOL, spread=(T, torch.empty((4, 69)).double()))
+        kernel.cholesky(G, 4, PIVOT_TOL, spread=(T, torch.empty((4, 69)).double()))
     with pytest.raises(ValueError, match="T must be"):
-        kernel.cholesky(G, 4, linalg.PIVOT_TOL, spread=(T.T, torch.empty((4, 70)).double()))
+        kernel.cholesky(G, 4, PIVOT_TOL, spread=(T.T, torch.empty((4, 70)).double()))
 
 
 @needs_kernel
 def test_solve_matches_numpy() -> None:
     n, p = 6, 130
     G, h, _ = _systems(n, p, seed=1)
-    r, c = linalg.lower_pairs(n)
+    r, c = lower_pairs(n)
     Gc = G.clone()
-    ok = linalg.packed_cholesky(Gc, n)
-    x = linalg.PackedFactor(Gc, n).solve_(h.clone())
+    ok = packed_cholesky(Gc, n)
+    x = PackedFactor(Gc, n).solve_(h.clone())
     for px in torch.nonzero(ok).flatten().tolist():
         M = np.zeros((n, n))
         M[r.numpy(), c.numpy()] = G[:, px].numpy()
@@ -207,12 +229,12 @@ def test_threads_split_pixels_without_changing_a_bit() -> None:
             torch.set_num_threads(threads)
             assert len(kernel._parts(p)) == threads
             Gc = G.clone()
-            ok = kernel.cholesky(Gc, n, linalg.PIVOT_TOL)
+            ok = kernel.cholesky(Gc, n, PIVOT_TOL)
             x = kernel.solve_(Gc, n, h.clone())
             var, Z = kernel.spread(Gc, n, T, True)
             var_only, _ = kernel.spread(Gc, n, T, False)
             fused = torch.empty((n, p), dtype=torch.float64)
-            kernel.cholesky(G.clone(), n, linalg.PIVOT_TOL, spread=(T, fused))
+            kernel.cholesky(G.clone(), n, PIVOT_TOL, spread=(T, fused))
             assert Z is not None
             results.append([ok, Gc, x, var, Z, var_only, fused, *kernel.moments(A, B0, W, x0)])
     finally:
@@ -248,7 +270,7 @@ def test_residual_moments_match_numpy(n: int, weighted: bool) -> None:
     B0 = np.where(valid, rng.standard_normal((m, p)) * 3 + 1, 0.0)
     x = rng.standard_normal((n, p))
     n_v = valid.sum(0).astype(np.float64)
-    got = linalg.residual_moments(*map(torch.from_numpy, (A, B0, W, x, n_v)))
+    got = residual_moments(*map(torch.from_numpy, (A, B0, W, x, n_v)))
     assert got is not None
     for g, want in zip(got, _numpy_moments(A, B0, W, x), strict=True):
         np.testing.assert_allclose(g.numpy(), want, rtol=1e-13)
@@ -264,7 +286,7 @@ def test_residual_moments_redo_extreme_columns() -> None:
     B0[:, 4] *= 1e200  # squares overflow
     B0[:, 9] *= 1e-170  # squares underflow
     x = np.zeros((n, p))
-    got = linalg.residual_moments(*map(torch.from_numpy, (A, B0, W, x, np.full(p, float(m)))))
+    got = residual_moments(*map(torch.from_numpy, (A, B0, W, x, np.full(p, float(m)))))
     assert got is not None
     want = np.sqrt(np.mean((B0 / np.abs(B0).max(0)) ** 2, axis=0)) * np.abs(B0).max(0)
     np.testing.assert_allclose(got[0].numpy(), want, rtol=1e-13)
@@ -272,7 +294,7 @@ def test_residual_moments_redo_extreme_columns() -> None:
     assert np.isfinite(float(got[0][4])) and float(got[0][9]) > 0
     # centred only: the same residual and centred sums, redone alike; no other sums
     args = map(torch.from_numpy, (A, B0, W, x, np.full(p, float(m))))
-    centred = linalg.residual_moments(*args, centred_only=True)
+    centred = residual_moments(*args, centred_only=True)
     assert centred is not None
     assert torch.equal(centred[0], got[0]) and torch.equal(centred[2], got[2])
     assert not centred[1].any() and not centred[3].any()
@@ -282,7 +304,7 @@ def test_orders_beyond_the_kernel_take_the_eager_path() -> None:
     m, n, p = 40, kernel.MAX_ORDER + 1, 10
     args = [torch.zeros(m, n, dtype=torch.float64), torch.zeros(m, p, dtype=torch.float64)]
     args += [torch.ones(m, p, dtype=torch.float64), torch.zeros(n, p, dtype=torch.float64)]
-    assert linalg.residual_moments(*args, torch.full((p,), float(m))) is None
+    assert residual_moments(*args, torch.full((p,), float(m))) is None
 
 
 def _masked_cube(seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -407,7 +429,7 @@ def test_eager_choice_builds_nothing(
 @needs_kernel
 def test_no_pixels_is_no_work() -> None:
     G = torch.zeros(3, 0, dtype=torch.float64)
-    assert kernel.cholesky(G, 2, linalg.PIVOT_TOL).shape == (0,)
+    assert kernel.cholesky(G, 2, PIVOT_TOL).shape == (0,)
     assert kernel.solve_(G, 2, torch.zeros(2, 0, dtype=torch.float64)).shape == (2, 0)
 
 
@@ -468,7 +490,7 @@ def test_square_factor_and_solve_agree_with_eager(n: int) -> None:
     """The square layout (the dual paths' k × k and obs × obs systems) against eager and numpy."""
     p = 150
     Gp, h, _ = _systems(n, p, seed=10 + n)
-    r, c = linalg.lower_pairs(n)
+    r, c = lower_pairs(n)
     G = torch.zeros(n, n, p, dtype=torch.float64)
     G[r, c], G[c, r] = Gp, Gp
     got = {}
@@ -476,8 +498,8 @@ def test_square_factor_and_solve_agree_with_eager(n: int) -> None:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv(kernel.ENV, how)
             kernel._library.cache_clear()
-            L, ok = linalg.batched_cholesky(G.clone())
-            got[how] = (ok, torch.tril(L.permute(2, 0, 1)), linalg.cholesky_solve(L, h.clone()))
+            L, ok = batched_cholesky(G.clone())
+            got[how] = (ok, torch.tril(L.permute(2, 0, 1)), cholesky_solve(L, h.clone()))
     kernel._library.cache_clear()
     assert torch.equal(got["eager"][0], got["c"][0])
     good = got["c"][0]
@@ -536,9 +558,9 @@ def test_statistics_equal_the_numpy_ones(
     n_valid = rng.integers(3, 40, p).astype(np.int32)
     n_valid[:5] = coef  # no dof left
     status = np.zeros(p, dtype=np.int8)
-    status[10:20] = linalg.FELL_BACK_RIDGE
-    status[20:25] = linalg.FELL_BACK_MINNORM
-    status[25:30] = linalg.SINGULAR
+    status[10:20] = FELL_BACK_RIDGE
+    status[20:25] = FELL_BACK_MINNORM
+    status[25:30] = SINGULAR
     wrms, trms = rng.random(p) + 0.1, rng.random(p) + 0.5
     var = rng.random((coef, p))
     var[2, 40:45] = np.nan  # not identifiable
@@ -595,7 +617,7 @@ def test_residual_without_moments_equals_the_full_sums() -> None:
 
 @needs_kernel
 def test_refinement_step_equals_the_eager_one(calls: dict[str, int]) -> None:
-    """gs_step: the same additions as linalg._step's, the same convergence flags."""
+    """gs_step: the same additions as _step's, the same convergence flags."""
     rng = np.random.default_rng(14)
     n, p = 7, 700
     x0 = torch.from_numpy(rng.standard_normal((n, p)))
@@ -608,9 +630,9 @@ def test_refinement_step_equals_the_eager_one(calls: dict[str, int]) -> None:
             if not use_kernel:
                 mp.setattr(kernel, "usable", lambda *t: False)
             x = x0.clone()
-            conv, (x,) = linalg._step(ok, None, (x, dx.clone()))
+            conv, (x,) = _step(ok, None, (x, dx.clone()))
             first = (conv.clone(), x.clone())
-            conv, (x,) = linalg._step(ok, conv, (x, dx * 1e-6))
+            conv, (x,) = _step(ok, conv, (x, dx * 1e-6))
             out.extend([*first, conv, x])
     assert calls.get("step") == 2
     for g, w in zip(got, want, strict=True):
@@ -633,13 +655,13 @@ def test_every_vector_version_gives_the_same_bits() -> None:
     W = torch.from_numpy((rng.random((m, p)) > 0.2) * (rng.random((m, p)) + 0.5))
     B0 = torch.from_numpy(rng.standard_normal((m, p))) * (W > 0)
     G, _, T = _systems(n, p, seed=15)
-    kernel.cholesky(G, n, linalg.PIVOT_TOL)
+    kernel.cholesky(G, n, PIVOT_TOL)
     # the fused fit: float32 data with gaps, a polynomial design in its orthonormal basis
     tf, src = _fit_data(m, p, np.float32, seed=15)
     src[:, 0] = np.nan  # pixels that are not good are compared too
     src[n - 2 :, 1] = np.nan
     Af = torch.from_numpy(np.ascontiguousarray(np.polynomial.chebyshev.chebvander(tf, n - 1)))
-    setup = linalg._primal_setup(Af, 0.0)
+    setup = _primal_setup(Af, 0.0)
     assert setup.Rinv is not None
     Qf, pairs, Rinv = setup.basis.contiguous(), setup.pairs, setup.Rinv.contiguous()
     best = kernel.use_isa(3)
@@ -651,7 +673,7 @@ def test_every_vector_version_gives_the_same_bits() -> None:
             assert kernel.use_isa(isa) == isa
             var, _ = kernel.spread(G, n, T, False)
             centred = kernel.moments(A, B0, W, x, centred_only=True)
-            fit = kernel.fit(src, Qf, pairs, Af, Rinv, linalg.PIVOT_TOL, 1e-11, 2, True)
+            fit = kernel.fit(src, Qf, pairs, Af, Rinv, PIVOT_TOL, 1e-11, 2, True)
             results[isa] = [var, *kernel.moments(A, B0, W, x), *centred, *fit]
     finally:
         kernel.use_isa(3)
@@ -686,17 +708,17 @@ def test_fused_fit_agrees_with_the_separate_passes_and_lstsq(n: int, dtype: type
     m, p = 40, 203  # a ragged last group for every lane count
     t, src = _fit_data(m, p, dtype, seed=n)
     A = torch.from_numpy(np.ascontiguousarray(np.polynomial.chebyshev.chebvander(t, n - 1)))
-    setup = linalg._primal_setup(A, 0.0)
+    setup = _primal_setup(A, 0.0)
     assert setup.Rinv is not None
     x, good, ss, var, tss = kernel.fit(
         src, setup.basis.contiguous(), setup.pairs, A, setup.Rinv.contiguous(),
-        linalg.PIVOT_TOL, linalg.REFINE_TOL, linalg.REFINE_STEPS, True,
+        PIVOT_TOL, REFINE_TOL, REFINE_STEPS, True,
     )  # fmt: skip
     assert var is not None and tss is not None
     loaded = kernel.load(src, True)
     assert loaded is not None and loaded[1] is not None
     B0, W = loaded
-    xe, conv, (L, _) = linalg._primal(A, B0, W, 0.0, True, True)
+    xe, conv, (L, _) = _primal(A, B0, W, 0.0, True, True)
     assert torch.equal(good, conv) and bool(good.all())
     np.testing.assert_allclose(x.numpy(), xe.numpy(), rtol=1e-11, atol=1e-12)
     assert L.var is not None
@@ -720,23 +742,23 @@ def test_fused_fit_without_a_change_of_basis_and_with_singular_pixels() -> None:
     src[:, 0] = np.nan
     src[3:, 1] = np.nan  # 3 rows for 4 coefficients
     A = torch.from_numpy(np.vander(t, n, increasing=True))
-    r, c = linalg.lower_pairs(n)
+    r, c = lower_pairs(n)
     pairs = (A[:, r] * A[:, c]).T.contiguous()
-    args = (linalg.PIVOT_TOL, linalg.REFINE_TOL, linalg.REFINE_STEPS, False)
+    args = (PIVOT_TOL, REFINE_TOL, REFINE_STEPS, False)
     x, good, ss, var, tss = kernel.fit(src, A, pairs, A, None, *args)
     assert var is None and tss is None
     # no valid row: no pivot passes (the 3-row pixel's last pivot may pass by rounding:
     # fit_unit's rule sends it to the SVD, below)
     assert not bool(good[0]) and bool(good[2:].all())
     nv = torch.from_numpy(np.isfinite(src).sum(0).astype(np.float64))
-    pol = linalg.Policy("minnorm")
+    pol = Policy("minnorm")
     active = nv >= 1
     fit = linalg.fit_unit(A, src, pol, nv, active, False)
     assert fit is not None
     xf, status = fit[0], fit[1]
     # 3 rows for 4 coefficients: the minimum-norm fit, underdetermined
-    assert int(status[1]) == linalg.UNDERDETERMINED
-    assert bool((status[2:] == linalg.OK).all())
+    assert int(status[1]) == UNDERDETERMINED
+    assert bool((status[2:] == OK).all())
     ok = np.isfinite(src[:, 1])
     want = np.linalg.lstsq(A.numpy()[ok], src[ok, 1], rcond=None)[0]  # the minimum norm
     np.testing.assert_allclose(xf[:, 1].numpy(), want, rtol=1e-10, atol=1e-12)
@@ -751,9 +773,9 @@ def test_fused_fit_without_a_change_of_basis_and_with_singular_pixels() -> None:
 @needs_kernel
 def test_fused_fit_refuses_what_it_cannot_read() -> None:
     A = torch.from_numpy(np.vander(np.linspace(-1, 1, 8), 3, increasing=True))
-    r, c = linalg.lower_pairs(3)
+    r, c = lower_pairs(3)
     pairs = (A[:, r] * A[:, c]).T.contiguous()
-    args = (linalg.PIVOT_TOL, linalg.REFINE_TOL, 2, False)
+    args = (PIVOT_TOL, REFINE_TOL, 2, False)
     good_src = np.ones((8, 5))
     with pytest.raises(ValueError, match="rows must each be contiguous"):
         kernel.fit(np.ones((5, 8)).T, A, pairs, A, None, *args)
@@ -771,10 +793,10 @@ def test_fused_fit_does_not_depend_on_the_threads() -> None:
     m, n, p = 30, 6, 3 * kernel.MIN_PART + 37
     t, src = _fit_data(m, p, np.float32, seed=21)
     A = torch.from_numpy(np.vander(t, n, increasing=True))
-    setup = linalg._primal_setup(A, 0.0)
+    setup = _primal_setup(A, 0.0)
     assert setup.Rinv is not None
     args = (setup.basis.contiguous(), setup.pairs, A, setup.Rinv.contiguous())
-    tol = (linalg.PIVOT_TOL, linalg.REFINE_TOL, linalg.REFINE_STEPS, True)
+    tol = (PIVOT_TOL, REFINE_TOL, REFINE_STEPS, True)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

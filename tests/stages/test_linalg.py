@@ -15,6 +15,16 @@ import torch
 
 from gridsolve.stages.engine.agreement import disagreements
 from gridsolve.stages.solve import linalg
+from gridsolve.stages.solve.cholesky import (
+    PackedFactor,
+    batched_cholesky,
+    lower_pairs,
+    packed_cholesky,
+)
+from gridsolve.stages.solve.columns import colmm
+from gridsolve.stages.solve.dual import _dual_schur, gapwise_dual
+from gridsolve.stages.solve.policy import OK, Policy
+from gridsolve.stages.solve.spread import _inverses, compensated_residuals
 
 
 def _agree(part: torch.Tensor, full: torch.Tensor) -> list[str]:
@@ -29,7 +39,7 @@ def test_colmm_columns_do_not_depend_on_width_offset_or_threads(
     g = torch.Generator().manual_seed(m * k)
     M = torch.randn(m, k, dtype=dtype, generator=g)
     X = torch.randn(k, 9000, dtype=dtype, generator=g)
-    full = linalg.colmm(M, X)
+    full = colmm(M, X)
     oracle = (M.double() @ X.double()).to(dtype)
     assert not _agree(full, oracle)
     threads = torch.get_num_threads()
@@ -38,7 +48,7 @@ def test_colmm_columns_do_not_depend_on_width_offset_or_threads(
             torch.set_num_threads(n_threads)
             spans = [(0, 1), (5, 7), (3, 1500), (1024, 5120), (777, 9000), (0, 9000), (1, 8999)]
             for start, stop in spans:
-                part = linalg.colmm(M, X[:, start:stop])
+                part = colmm(M, X[:, start:stop])
                 assert not _agree(part, full[:, start:stop]), (n_threads, start, stop)
     finally:
         torch.set_num_threads(threads)
@@ -50,11 +60,9 @@ def test_per_pixel_solve_does_not_depend_on_batch() -> None:
     M = torch.from_numpy(rng.random((20, 3000)) > 0.3)
     B0 = torch.where(M, torch.from_numpy(rng.standard_normal((20, 3000))), 0.0)
     W = M.double()
-    full, status = linalg.solve_per_pixel(A, B0, W, linalg.Policy("minnorm"))
+    full, status = linalg.solve_per_pixel(A, B0, W, Policy("minnorm"))
     for s, e in [(0, 1), (5, 1029), (2000, 3000)]:
-        part, part_status = linalg.solve_per_pixel(
-            A, B0[:, s:e], W[:, s:e], linalg.Policy("minnorm")
-        )
+        part, part_status = linalg.solve_per_pixel(A, B0[:, s:e], W[:, s:e], Policy("minnorm"))
         assert torch.equal(part_status, status[s:e])
         assert not _agree(part, full[:, s:e])
     # and each pixel is its own weighted least-squares solution (numpy oracle)
@@ -75,16 +83,16 @@ def _dual_oracle(A: np.ndarray, b: np.ndarray, rows: np.ndarray, lam: float) -> 
 @pytest.mark.parametrize(
     ("policy", "weighted", "gapwise"),
     [
-        (linalg.Policy("minnorm"), False, True),
-        (linalg.Policy("ridge", ridge=0.3), False, True),
+        (Policy("minnorm"), False, True),
+        (Policy("ridge", ridge=0.3), False, True),
         # weights never change an interpolating minimum-norm fit: still by gaps
-        (linalg.Policy("minnorm"), True, True),
+        (Policy("minnorm"), True, True),
         # ridge with real weights: each pixel's own dual factorisation
-        (linalg.Policy("ridge", ridge=0.3), True, False),
+        (Policy("ridge", ridge=0.3), True, False),
     ],
 )
 def test_dual_by_gaps_matches_each_pixels_own_solution(
-    policy: linalg.Policy, weighted: bool, gapwise: bool
+    policy: Policy, weighted: bool, gapwise: bool
 ) -> None:
     """coef > obs with gaps: the Schur-complement dual equals numpy on each pixel's rows."""
     rng = np.random.default_rng(7)
@@ -100,10 +108,10 @@ def test_dual_by_gaps_matches_each_pixels_own_solution(
     active[0] = False
     At = torch.from_numpy(A)
     zero_one = not weighted
-    assert (linalg.gapwise_dual(At, policy, False, zero_one) is not None) is gapwise
+    assert (gapwise_dual(At, policy, False, zero_one) is not None) is gapwise
     B0 = torch.from_numpy(np.where(valid, B, 0.0))
     x, status = linalg.solve_per_pixel(At, B0, torch.from_numpy(W), policy, active=active)
-    assert bool((status[1:] == linalg.OK).all())
+    assert bool((status[1:] == OK).all())
     lam = policy.ridge if policy.policy == "ridge" else 0.0
     for p in [1, 2, *range(3, n, 211)]:
         rows = valid[:, p]
@@ -130,15 +138,15 @@ def test_dual_by_gaps_needs_a_well_conditioned_shared_matrix() -> None:
     A = rng.standard_normal((obs, coef))
     A[5] = A[4] + 1e-7 * rng.standard_normal(coef)  # AAᵀ has condition ~1e15
     At = torch.from_numpy(A)
-    assert linalg.gapwise_dual(At, linalg.Policy("minnorm"), False, True) is None
-    assert linalg.gapwise_dual(At, linalg.Policy("ridge", ridge=1.0), False, True) is not None
+    assert gapwise_dual(At, Policy("minnorm"), False, True) is None
+    assert gapwise_dual(At, Policy("ridge", ridge=1.0), False, True) is not None
     valid = rng.random((obs, n)) > 0.2
     B = rng.standard_normal((obs, n))
     B0 = torch.from_numpy(np.where(valid, B, 0.0))
     x, status = linalg.solve_per_pixel(
-        At, B0, torch.from_numpy(valid.astype(float)), linalg.Policy("ridge", ridge=1.0)
+        At, B0, torch.from_numpy(valid.astype(float)), Policy("ridge", ridge=1.0)
     )
-    assert bool((status == linalg.OK).all())
+    assert bool((status == OK).all())
     for p in range(0, n, 37):
         expected = _dual_oracle(A, B[:, p], valid[:, p], 1.0)
         np.testing.assert_allclose(x[:, p].numpy(), expected, rtol=1e-10, atol=1e-12)
@@ -153,18 +161,18 @@ def test_dual_by_gaps_keeps_float64_accuracy_on_ill_conditioned_designs(cond: fl
     V, _ = np.linalg.qr(rng.standard_normal((coef, obs)))
     A = (U * np.geomspace(1.0, 1.0 / cond, obs)) @ V.T
     At = torch.from_numpy(A)
-    policy = linalg.Policy("minnorm")
-    assert linalg.gapwise_dual(At, policy, False, True) is not None
+    policy = Policy("minnorm")
+    assert gapwise_dual(At, policy, False, True) is not None
     valid = rng.random((obs, n)) > 0.2
     B = rng.standard_normal((obs, n))
     B0 = torch.from_numpy(np.where(valid, B, 0.0))
     W = torch.from_numpy(valid.astype(float))
     x, status = linalg.solve_per_pixel(At, B0, W, policy)
-    assert bool((status == linalg.OK).all())
+    assert bool((status == OK).all())
     # solved by gaps, every pixel converged (none sent to the slower SVD path)
-    H = linalg.gapwise_dual(At, policy, False, True)
+    H = gapwise_dual(At, policy, False, True)
     assert H is not None
-    _, good = linalg._dual_schur(At, B0, W > 0, 0.0, H, None)
+    _, good = _dual_schur(At, B0, W > 0, 0.0, H, None)
     assert bool(good.all())
     worst = 0.0
     for p in range(n):
@@ -185,10 +193,10 @@ def _gram_batch(n: int, p: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 10])
 def test_packed_cholesky_is_the_square_ones_lower_triangle(n: int) -> None:
     G = _gram_batch(n, 200, n)
-    r, c = linalg.lower_pairs(n)
+    r, c = lower_pairs(n)
     packed = G[r, c].contiguous()
-    ok = linalg.packed_cholesky(packed, n)
-    L, ok_square = linalg.batched_cholesky(G.clone())
+    ok = packed_cholesky(packed, n)
+    L, ok_square = batched_cholesky(G.clone())
     assert torch.equal(ok, ok_square)
     assert ok.any() and (n == 1 or not ok.all())
     np.testing.assert_allclose(packed[:, ok], L[r, c][:, ok], rtol=1e-14, atol=1e-14)
@@ -202,11 +210,11 @@ def test_packed_cholesky_is_the_square_ones_lower_triangle(n: int) -> None:
 @pytest.mark.parametrize("n", [1, 4, 10])
 def test_packed_factor_solves_each_pixels_system(n: int) -> None:
     G = _gram_batch(n, 120, 10 + n)
-    r, c = linalg.lower_pairs(n)
+    r, c = lower_pairs(n)
     packed = G[r, c].contiguous()
-    ok = linalg.packed_cholesky(packed, n)
+    ok = packed_cholesky(packed, n)
     h = torch.randn(n, 120, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
-    x = linalg.PackedFactor(packed, n).solve_(h.clone())
+    x = PackedFactor(packed, n).solve_(h.clone())
     for px in torch.nonzero(ok).flatten().tolist():
         want = np.linalg.solve(G[:, :, px].numpy(), h[:, px].numpy())
         np.testing.assert_allclose(x[:, px].numpy(), want, rtol=1e-9, atol=1e-12)
@@ -217,7 +225,7 @@ def test_zero_one_weights_shortcut_changes_nothing() -> None:
     A = torch.randn(30, 6, dtype=torch.float64, generator=g)
     W = (torch.rand(30, 500, generator=g) > 0.25).double()
     B0 = torch.randn(30, 500, dtype=torch.float64, generator=g) * W
-    pol = linalg.Policy("minnorm")
+    pol = Policy("minnorm")
     x1, s1 = linalg.solve_per_pixel(A, B0, W, pol, unit=True)
     x0, s0 = linalg.solve_per_pixel(A, B0, W, pol, unit=False)
     assert torch.equal(x1, x0) and torch.equal(s1, s0)
@@ -236,9 +244,7 @@ def test_compensated_residuals_are_the_exact_ones_rounded() -> None:
     A = t[:, None] ** np.arange(11)[None, :]  # Filip's columns: x⁰ … x¹⁰
     x = rng.standard_normal((11, 3)) * 10.0 ** -np.arange(11)[:, None]
     B = A @ x + 1e-6 * rng.standard_normal((40, 3))  # residuals ~1e-6 of terms ~1e3
-    got = linalg.compensated_residuals(
-        torch.from_numpy(A), torch.from_numpy(B), torch.from_numpy(x)
-    )
+    got = compensated_residuals(torch.from_numpy(A), torch.from_numpy(B), torch.from_numpy(x))
     exact = np.array(
         [
             [
@@ -272,10 +278,10 @@ def test_per_pixel_spread_of_an_ill_conditioned_design_is_householder_qr_s() -> 
         torch.from_numpy(A),
         torch.from_numpy(B0),
         torch.from_numpy(Wp),
-        linalg.Policy("minnorm"),
+        Policy("minnorm"),
         spans_known=True,
     )
-    assert (status.numpy() == linalg.OK).all() and sp.rss is not None
+    assert (status.numpy() == OK).all() and sp.rss is not None
     for p in range(4):
         Ri = np.linalg.inv(np.linalg.qr(np.sqrt(Wp[:, p])[:, None] * A, mode="r"))
         np.testing.assert_allclose(sp.var[:, p].numpy(), (Ri * Ri).sum(1), rtol=1e-12)
@@ -285,7 +291,7 @@ def test_per_pixel_spread_of_an_ill_conditioned_design_is_householder_qr_s() -> 
 
 def test_inverses_keep_the_invertible_matrices_of_a_stack() -> None:
     R = np.stack([np.eye(3) * 2.0, np.diag([1.0, 0.0, 1.0]), np.triu(np.ones((3, 3)))])
-    out, keep = linalg._inverses(R)
+    out, keep = _inverses(R)
     assert keep.tolist() == [True, False, True]
     np.testing.assert_allclose(out[0], np.eye(3) / 2)
     np.testing.assert_allclose(out[2] @ R[2], np.eye(3), atol=1e-15)

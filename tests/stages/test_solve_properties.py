@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from gridsolve.schemas.contracts import STATUS_CODES
 from gridsolve.stages.solve import linalg
-from gridsolve.stages.solve.linalg import Policy
+from gridsolve.stages.solve.policy import Policy
 
 EPS = np.finfo(np.float64).eps
 
