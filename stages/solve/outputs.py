@@ -118,23 +118,31 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
     return out
 
 
+def _t_of(solved: Artifact) -> np.ndarray:
+    return t_values(solved.array("coefficients"), solved.array("coef_stderr"))
+
+
 def _uncertainty_variables(solve: TiledArtifact, uniform: str | None) -> list[OutputVariable]:
     """The per-pixel uncertainty variables, where the solve made them (solve.uncertainty)."""
     first = solve.tiles[0][1] if solve.tiles else None
     if first is None or "coef_stderr" not in first:
         return []
-
-    def t_of(solved: Artifact) -> np.ndarray:
-        return t_values(solved.array("coefficients"), solved.array("coef_stderr"))
-
     scaled = SolvePrepared.of(solve).cov_scale == "residual"
     how = (
         "scaled by the residual variance sum(w*r^2)/dof"
         if scaled
         else "unscaled (weights taken as 1/variance of known errors)"
     )
+    out = [*_coefficient_statistics(uniform, scaled, how), *_fit_statistics()]
+    if "coef_cov" in first:
+        out.insert(1, _covariance_variable(uniform, how))
+    return out
+
+
+def _coefficient_statistics(uniform: str | None, scaled: bool, how: str) -> list[OutputVariable]:
+    """The coefficients' standard errors, t-statistics and p-values."""
     dist = "Student t with dof degrees of freedom" if scaled else "standard normal"
-    out = [
+    return [
         OutputVariable(
             "coef_stderr",
             "solve",
@@ -152,7 +160,7 @@ def _uncertainty_variables(solve: TiledArtifact, uniform: str | None) -> list[Ou
             "coef_stderr",  # its shape and dtype
             ("coef", "y", "x"),
             {"long_name": "t-statistic of the coefficients (coefficient / stderr)", "units": "1"},
-            derive=lambda arts: t_of(arts["solve"]),
+            derive=lambda arts: _t_of(arts["solve"]),
         ),
         OutputVariable(
             "p_value",
@@ -164,8 +172,14 @@ def _uncertainty_variables(solve: TiledArtifact, uniform: str | None) -> list[Ou
                 "comment": f"from the {dist} distribution",
                 "units": "1",
             },
-            derive=lambda arts: p_values(t_of(arts["solve"]), arts["solve"].array("dof"), scaled),
+            derive=lambda arts: p_values(_t_of(arts["solve"]), arts["solve"].array("dof"), scaled),
         ),
+    ]
+
+
+def _fit_statistics() -> list[OutputVariable]:
+    """Each pixel's residual degrees of freedom, R² and uncertainty flags."""
+    return [
         OutputVariable(
             "dof",
             "solve",
@@ -197,23 +211,22 @@ def _uncertainty_variables(solve: TiledArtifact, uniform: str | None) -> list[Ou
             flag_attrs("uncertainty flags", UNCERTAINTY_FLAGS, masks=True),
         ),
     ]
-    if "coef_cov" in first:
-        squared = squared_unit(uniform) if uniform is not None else None
-        out.insert(
-            1,
-            OutputVariable(
-                "coef_cov",
-                "solve",
-                "coef_cov",
-                ("coef", "coef2", "y", "x"),
-                {
-                    "long_name": "covariance of the least-squares coefficients",
-                    "comment": f"{how}; coef2 indexes the design columns as coef does",
-                    **({"units": squared} if squared is not None else {}),
-                },
-            ),
-        )
-    return out
+
+
+def _covariance_variable(uniform: str | None, how: str) -> OutputVariable:
+    """The coefficients' covariance (solve.uncertainty = cov)."""
+    squared = squared_unit(uniform) if uniform is not None else None
+    return OutputVariable(
+        "coef_cov",
+        "solve",
+        "coef_cov",
+        ("coef", "coef2", "y", "x"),
+        {
+            "long_name": "covariance of the least-squares coefficients",
+            "comment": f"{how}; coef2 indexes the design columns as coef does",
+            **({"units": squared} if squared is not None else {}),
+        },
+    )
 
 
 def _undetermined_nan(
