@@ -77,7 +77,9 @@ from gridsolve.schemas.kinds.model import MultidimLinearModel
 from gridsolve.schemas.kinds.train import SGDTrain
 from gridsolve.stages.model import vmapped
 from gridsolve.stages.train import dpsgd
+from gridsolve.stages.train.sampling import epoch_batches, steps_per_epoch
 from gridsolve.stages.train.stage import Rows, fetcher
+from gridsolve.stages.train.train_state import TrainResult
 
 from common import machine, print_verdicts, table
 
@@ -287,7 +289,7 @@ def _speed(n: int, repeats: int, loop_pixels: int, folder: Path) -> None:
     cfg = config()
     rows = rows_of(folder, X, Y)
     fetch = fetcher(rows, np.arange(n))
-    order = np.concatenate(list(dpsgd.epoch_batches(n, BATCH, False, cfg.seed, 1)))
+    order = np.concatenate(list(epoch_batches(n, BATCH, False, cfg.seed, 1)))
     op = OpacusRun(params, X, Y, order)
     oc = OpacusCompute(op)
     k = min(loop_pixels, n)
@@ -295,7 +297,7 @@ def _speed(n: int, repeats: int, loop_pixels: int, folder: Path) -> None:
     Yt = torch.from_numpy(Y[:k])
     loop_w: dict[str, torch.Tensor] = {}
 
-    def gridsolve() -> dpsgd.TrainResult:
+    def gridsolve() -> TrainResult:
         return dpsgd.train(module, params, fetch, n, cfg, input_shape=SHAPE)
 
     def loop() -> None:
@@ -326,7 +328,7 @@ def _speed(n: int, repeats: int, loop_pixels: int, folder: Path) -> None:
     sub = dpsgd.train(module, params, fetcher(rows, np.arange(k)), k, cfg, input_shape=SHAPE)
     loop_agree = rel_diff(loop_w, sub.params) if k <= BATCH else float("nan")
 
-    steps = dpsgd.steps_per_epoch(BATCH, n)
+    steps = steps_per_epoch(BATCH, n)
     print(
         f"\n## one epoch: {n:,} pixels, {steps} steps of {BATCH}, 10×10×4 model, "
         f"clip {CLIP}, noise 0, SGD lr {LR}, float32"

@@ -24,7 +24,6 @@ EXCEPTIONS: dict[str, str] = {
     "stages/load/netcdf.py:infer_dims": NOT_YET,
     "stages/model/vmapped.py": NOT_YET,
     "stages/solve/lstsq.py": NOT_YET,
-    "stages/train/dpsgd.py": NOT_YET,
 }
 
 

@@ -48,6 +48,9 @@ from gridsolve.stages.engine.pyparse import PARSE_LOCK, load_npy
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
 from gridsolve.stages.model import vmapped
 from gridsolve.stages.train import dpsgd
+from gridsolve.stages.train.clipped_step import per_sample_grad_norms
+from gridsolve.stages.train.sampling import VALIDATION_BLOCK, block_split, privacy_spent
+from gridsolve.stages.train.train_state import TrainState, state_from_arrays, state_to_arrays
 
 #: Bytes of dataset rows read into memory at most; larger datasets are streamed.
 ROW_BUDGET = 256 * 2**20
@@ -226,7 +229,7 @@ def check_split(
     counts: Mapping[str, int],
     map_shape: tuple[int, int],
     target: str,
-    block: int = dpsgd.VALIDATION_BLOCK,
+    block: int = VALIDATION_BLOCK,
 ) -> None:
     """ContractError naming the sizes and counts if either side of the split has no pixel.
 
@@ -302,7 +305,7 @@ def dataset(
     # The split is drawn on the map (y, x) and repeated over the batch dims' planes, so a
     # location is on one side for every member/level: no leak between the two sides.
     map_shape = (grid.ny, grid.nx)
-    plane = dpsgd.block_split(*map_shape, config.validation_fraction, config.seed)
+    plane = block_split(*map_shape, config.validation_fraction, config.seed)
     planes = mask.shape[0] // plane.shape[0]
     held = np.tile(plane, (planes, 1))[mask]
     counts["train_pixels"] = int((~held).sum())
@@ -352,26 +355,26 @@ def _epoch_key(stage_key: str, epoch: int) -> str:
 
 
 class EpochCheckpoint(Meta):
-    """An epoch checkpoint's metadata: the training state (:func:`dpsgd.state_to_arrays`)."""
+    """An epoch checkpoint's metadata: the training state (:func:`train_state.state_to_arrays`)."""
 
     state: dict[str, Any]
 
 
-def _resume(config: GradientTrain, ctx: StageContext) -> dpsgd.TrainState | None:
+def _resume(config: GradientTrain, ctx: StageContext) -> TrainState | None:
     """The state of the last epoch a killed run of this stage stored, if any."""
     for epoch in range(config.epochs, 0, -1):
         key = _epoch_key(ctx.key, epoch)
         if ctx.store.check(key)[0] == "hit":
             art = ctx.store.get(key)
-            return dpsgd.state_from_arrays(art.arrays(), EpochCheckpoint.of(art).state)
+            return state_from_arrays(art.arrays(), EpochCheckpoint.of(art).state)
     return None
 
 
 def _checkpoint(config: GradientTrain, ctx: StageContext) -> Any:
     """After each epoch: store the state (to resume from) and report the progress."""
 
-    def save(state: dpsgd.TrainState) -> None:
-        arrays, meta = dpsgd.state_to_arrays(state)
+    def save(state: TrainState) -> None:
+        arrays, meta = state_to_arrays(state)
         key = _epoch_key(ctx.key, state.epoch)
         info = {"kind": "train", "part": "epoch", "epoch": state.epoch}
         ctx.store.put(key, StageOutput(arrays=arrays, meta={"state": meta}), info)
@@ -406,7 +409,7 @@ def grad_norm_map(
         stop = min(len(where), start + chunk)
         xs, ys = read(slice(start, stop))
         x, y = torch.from_numpy(xs).to(like.dtype), torch.from_numpy(ys).to(like.dtype)
-        norms = dpsgd.per_sample_grad_norms(module, params, x.reshape(-1, *shape), y)
+        norms = per_sample_grad_norms(module, params, x.reshape(-1, *shape), y)
         flat[where[start:stop]] = norms.numpy()
     return out
 
@@ -491,7 +494,7 @@ def run(config: GradientTrain, inputs: Mapping[str, Any], ctx: StageContext) -> 
         counts = data.counts
         grad_norm = grad_norm_map(module, result.params, data, shape, config.batch_pixels)
     state = result.state
-    eps, delta = dpsgd.privacy_spent(config, counts["train_pixels"], state.steps)
+    eps, delta = privacy_spent(config, counts["train_pixels"], state.steps)
     arrays: dict[str, np.ndarray] = {
         f"param:{k}": v.detach().cpu().numpy() for k, v in result.params.items()
     }

@@ -25,6 +25,14 @@ from gridsolve.schemas.kinds.load import DemoLoad, NetCDFLoad
 from gridsolve.schemas.kinds.train import AdamTrain, GradientTrain, NoTrain, SGDTrain
 from gridsolve.stages.model.multidim_linear import MultidimLinear
 from gridsolve.stages.train import dpsgd
+from gridsolve.stages.train.clipped_step import dp_step
+from gridsolve.stages.train.sampling import block_split, epoch_batches, epsilon, privacy_spent
+from gridsolve.stages.train.train_state import (
+    TrainResult,
+    TrainState,
+    state_from_arrays,
+    state_to_arrays,
+)
 
 import my_models
 
@@ -145,7 +153,7 @@ def test_full_batch_steps_match_per_sample_loop(
     # Clip at the median initial norm, so that about half the samples are clipped.
     leaves = params_of(module)
     xt = torch.as_tensor(x).reshape(n, *(shape or SHAPE))
-    norms = dpsgd.dp_step(
+    norms = dp_step(
         module, leaves, torch.optim.SGD(list(leaves.values()), lr=0.0), xt, torch.as_tensor(y),
         clip_norm=None,
     ).norms  # fmt: skip
@@ -171,9 +179,7 @@ def test_minibatch_epochs_match_per_sample_loop(config: GradientTrain) -> None:
     x, y = data(n, seed=1)
     module = linear_model(1)
     res = dpsgd.train(module, params_of(module), fetcher(x, y), n, cfg)
-    batches = [
-        idx for e in (1, 2) for idx in dpsgd.epoch_batches(n, b, poisson=False, seed=5, epoch=e)
-    ]
+    batches = [idx for e in (1, 2) for idx in epoch_batches(n, b, poisson=False, seed=5, epoch=e)]
     assert sorted(len(i) for i in batches) == [6, 6, 8, 8, 8, 8, 8, 8]
     # Each epoch visits every pixel once.
     assert sorted(np.concatenate(batches[:4]).tolist()) == list(range(n))
@@ -191,7 +197,7 @@ def test_poisson_steps_divide_by_the_expected_batch_size() -> None:
     x, y = data(n, seed=2)
     module = linear_model(2)
     res = dpsgd.train(module, params_of(module), fetcher(x, y), n, cfg)
-    batches = list(dpsgd.epoch_batches(n, b, poisson=True, seed=3, epoch=1))
+    batches = list(epoch_batches(n, b, poisson=True, seed=3, epoch=1))
     assert len(batches) == 5 and len({len(i) for i in batches}) > 1
     want = oracle(module, x, y, batches, cfg, divisor=lambda _: b)
     assert_close(res.params, want, 1e-6)
@@ -209,7 +215,7 @@ def test_clipping_is_per_sample() -> None:
         leaves = params_of(module)
         opt = torch.optim.SGD(list(leaves.values()), lr=1.0)
         xt, yt = torch.as_tensor(x[idx]), torch.as_tensor(y[idx])
-        dpsgd.dp_step(module, leaves, opt, xt, yt, clip_norm=clip, divisor=divisor)
+        dp_step(module, leaves, opt, xt, yt, clip_norm=clip, divisor=divisor)
         return {k: leaves[k] - v for k, v in params_of(module).items()}
 
     def norm(d: dict[str, torch.Tensor]) -> float:
@@ -234,9 +240,7 @@ def test_step_reports_per_sample_norms_before_clipping() -> None:
     module = linear_model(7)
     leaves = params_of(module)
     opt = torch.optim.SGD(list(leaves.values()), lr=0.0)
-    stats = dpsgd.dp_step(
-        module, leaves, opt, torch.as_tensor(x), torch.as_tensor(y), clip_norm=1e-3
-    )
+    stats = dp_step(module, leaves, opt, torch.as_tensor(x), torch.as_tensor(y), clip_norm=1e-3)
     for i in range(n):
         one = copy.deepcopy(module)
         out = one(torch.as_tensor(x[i]))
@@ -255,7 +259,7 @@ def test_noise_is_gaussian_with_std_multiplier_times_clip_over_divisor() -> None
     opt = torch.optim.SGD(list(leaves.values()), lr=1.0)
     empty = torch.zeros(0, dtype=torch.float64)
     gen = torch.Generator().manual_seed(0)
-    dpsgd.dp_step(
+    dp_step(
         big, leaves, opt, empty, empty, clip_norm=2.0, noise_multiplier=1.5, divisor=4,
         generator=gen,
     )  # fmt: skip
@@ -296,7 +300,7 @@ def test_matches_opacus_dpoptimizer(config: GradientTrain) -> None:
     )
     xs, ys = torch.as_tensor(x.reshape(n, -1)), torch.as_tensor(y)
     for e in range(1, epochs + 1):
-        for idx in dpsgd.epoch_batches(n, b, poisson=False, seed=11, epoch=e):
+        for idx in epoch_batches(n, b, poisson=False, seed=11, epoch=e):
             opt.zero_grad()
             loss: torch.Tensor = nn.functional.mse_loss(gsm(xs[idx]), ys[idx])
             loss.backward()
@@ -327,16 +331,16 @@ def test_resume_after_an_epoch_is_byte_identical(config: GradientTrain) -> None:
         linear_model(5), params_of(linear_model(5)), fetcher(x, y), 40, config, validation=val
     )
 
-    snapshots: list[dpsgd.TrainState] = []
+    snapshots: list[TrainState] = []
     first = dpsgd.train(
         linear_model(5), params_of(linear_model(5)), fetcher(x, y), 40, config,
         validation=val, until_epoch=1, on_epoch=snapshots.append,
     )  # fmt: skip
     assert first.state.epoch == 1 and len(snapshots) == 1
-    arrays, meta = dpsgd.state_to_arrays(snapshots[0])
+    arrays, meta = state_to_arrays(snapshots[0])
     meta = json.loads(json.dumps(meta))  # stored as JSON
     arrays = {k: np.array(v) for k, v in arrays.items()}
-    restored = dpsgd.state_from_arrays(arrays, meta)
+    restored = state_from_arrays(arrays, meta)
     fresh = linear_model(99)  # another initialisation: the state's weights are used
     resumed = dpsgd.train(
         fresh, params_of(fresh), fetcher(x, y), 40, config, validation=val, state=restored
@@ -384,7 +388,7 @@ def test_results_do_not_depend_on_how_fetch_reads() -> None:
 
         return fetch
 
-    def run(fetch: dpsgd.Fetch, vfetch: dpsgd.Fetch) -> dpsgd.TrainResult:
+    def run(fetch: dpsgd.Fetch, vfetch: dpsgd.Fetch) -> TrainResult:
         m = linear_model(9)
         return dpsgd.train(m, params_of(m), fetch, 50, cfg, validation=(vfetch, 13))
 
@@ -403,7 +407,7 @@ def test_early_stopping_keeps_the_best_epoch() -> None:
     yv = -np.tensordot(xv, w, axes=2)  # fitting the training pixels worsens validation
     cfg = SGDTrain(epochs=10, batch_pixels=40, lr=0.1, clip_norm=None, early_stopping=2)
     m = linear_model(11)
-    snaps: list[dpsgd.TrainState] = []
+    snaps: list[TrainState] = []
     res = dpsgd.train(
         m, params_of(m), fetcher(x, y), 40, cfg, validation=(fetcher(xv, yv), 10),
         on_epoch=snaps.append,
@@ -443,7 +447,7 @@ def test_train_mode_batchnorm_and_dropout_are_refused() -> None:
 # ---------------------------------------------------------------- validation split
 def test_block_split_whole_blocks_fraction_and_seed() -> None:
     ny, nx = 200, 163
-    mask = dpsgd.block_split(ny, nx, 0.2, seed=4)
+    mask = block_split(ny, nx, 0.2, seed=4)
     assert mask.shape == (ny, nx) and mask.dtype == bool
     nby, nbx = -(-ny // 8), -(-nx // 8)
     padded = np.zeros((nby * 8, nbx * 8), bool)
@@ -456,11 +460,11 @@ def test_block_split_whole_blocks_fraction_and_seed() -> None:
             assert (cells == whole[by, bx]).all()
     assert whole.sum() == round(0.2 * nby * nbx)
     assert 0.15 < mask.mean() < 0.25
-    assert (dpsgd.block_split(ny, nx, 0.2, seed=4) == mask).all()
-    assert (dpsgd.block_split(ny, nx, 0.2, seed=5) != mask).any()
-    assert not dpsgd.block_split(ny, nx, 0.0, seed=4).any()
+    assert (block_split(ny, nx, 0.2, seed=4) == mask).all()
+    assert (block_split(ny, nx, 0.2, seed=5) != mask).any()
+    assert not block_split(ny, nx, 0.0, seed=4).any()
     # A tiny grid still gets a validation block, and keeps one for training.
-    small = dpsgd.block_split(9, 9, 0.1, seed=0)
+    small = block_split(9, 9, 0.1, seed=0)
     assert 0 < small.sum() < 81
 
 
@@ -472,35 +476,35 @@ def test_epsilon_matches_opacus_and_a_published_value() -> None:
     acc = RDPAccountant()
     for _ in range(300):
         acc.step(noise_multiplier=1.1, sample_rate=0.01)
-    assert dpsgd.epsilon(1.1, 0.01, 300, 1e-5) == pytest.approx(acc.get_epsilon(delta=1e-5))
+    assert epsilon(1.1, 0.01, 300, 1e-5) == pytest.approx(acc.get_epsilon(delta=1e-5))
     # Opacus's own accountant test: σ = 1.5, q = 0.04, 90 epochs, δ = 1e-5 → ε ≈ 7.32911117143.
-    assert dpsgd.epsilon(1.5, 0.04, int(90 / 0.04), 1e-5) == pytest.approx(7.32911117143, abs=1e-7)
+    assert epsilon(1.5, 0.04, int(90 / 0.04), 1e-5) == pytest.approx(7.32911117143, abs=1e-7)
 
 
 def test_epsilon_grows_with_steps_and_falls_with_noise() -> None:
     pytest.importorskip("opacus")
-    by_steps = [dpsgd.epsilon(1.0, 0.01, s, 1e-5) for s in (10, 100, 1000)]
+    by_steps = [epsilon(1.0, 0.01, s, 1e-5) for s in (10, 100, 1000)]
     assert by_steps == sorted(by_steps) and by_steps[0] < by_steps[-1]
-    by_noise = [dpsgd.epsilon(s, 0.01, 1000, 1e-5) for s in (0.8, 1.0, 2.0)]
+    by_noise = [epsilon(s, 0.01, 1000, 1e-5) for s in (0.8, 1.0, 2.0)]
     assert by_noise == sorted(by_noise, reverse=True) and by_noise[0] > by_noise[-1]
-    assert dpsgd.epsilon(1.0, 0.01, 0, 1e-5) == 0.0
-    assert dpsgd.epsilon(0.0, 0.01, 10, 1e-5) == math.inf
+    assert epsilon(1.0, 0.01, 0, 1e-5) == 0.0
+    assert epsilon(0.0, 0.01, 10, 1e-5) == math.inf
 
 
 def test_privacy_spent_of_a_run() -> None:
     pytest.importorskip("opacus")
     cfg = SGDTrain(batch_pixels=40, noise_multiplier=1.2)
-    eps, delta = dpsgd.privacy_spent(cfg, 1000, 250)
+    eps, delta = privacy_spent(cfg, 1000, 250)
     assert delta == 1e-3
-    assert eps == dpsgd.epsilon(1.2, 0.04, 250, 1e-3)
-    assert dpsgd.privacy_spent(cfg.model_copy(update={"delta": 1e-6}), 1000, 250)[1] == 1e-6
-    assert dpsgd.privacy_spent(SGDTrain(), 1000, 250)[0] == math.inf
+    assert eps == epsilon(1.2, 0.04, 250, 1e-3)
+    assert privacy_spent(cfg.model_copy(update={"delta": 1e-6}), 1000, 250)[1] == 1e-6
+    assert privacy_spent(SGDTrain(), 1000, 250)[0] == math.inf
 
 
 def test_epsilon_without_opacus_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "opacus.accountants.analysis.rdp", None)
     with pytest.raises(ConfigError, match="pip install opacus"):
-        dpsgd.epsilon(1.0, 0.01, 10, 1e-5)
+        epsilon(1.0, 0.01, 10, 1e-5)
 
 
 # ---------------------------------------------------------------- config

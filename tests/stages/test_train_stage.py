@@ -16,7 +16,7 @@ from gridsolve.schemas.errors import ConfigError, ContractError
 from gridsolve.schemas.pipeline import build_config
 from gridsolve.stages.engine.plan import build_plan
 from gridsolve.stages.model.multidim_linear import MultidimLinear
-from gridsolve.stages.train.dpsgd import block_split
+from gridsolve.stages.train.sampling import block_split
 
 from testkit import make_ds, run_plan
 
