@@ -473,7 +473,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from gridsolve.stages.engine import storage
     from gridsolve.stages.engine.overlap import refuse_destructive_outputs
     from gridsolve.stages.engine.store import open_store
-    from gridsolve.stages.load.netcdf import check_opens
+    from gridsolve.stages.load.inputs import check_opens
     from gridsolve.stages.write.target import check_write_target
 
     cfg = load_config(args.config, args.overrides)

@@ -32,9 +32,11 @@ from gridsolve.stages.engine.hashing import hash_file as real_hash_file
 from gridsolve.stages.engine.registry import SOURCE
 from gridsolve.stages.engine.runner import run_stage
 from gridsolve.stages.engine.store import Store
+from gridsolve.stages.load import blocks, inputs, scan
 from gridsolve.stages.load import files as filesets
-from gridsolve.stages.load import netcdf
-from gridsolve.stages.load.netcdf import check_opens, fingerprint, locate, read_block, run
+from gridsolve.stages.load.blocks import read_block
+from gridsolve.stages.load.inputs import check_opens
+from gridsolve.stages.load.netcdf import fingerprint, locate, run
 
 from testkit import run_plan
 
@@ -160,9 +162,9 @@ def check_against_lstsq(out: xr.Dataset, sig: xr.DataArray) -> None:
 
 def fresh_process_state() -> None:
     """Forget what this process memoised about inputs, as a new run in a new process would."""
-    netcdf._file_set.cache_clear()
-    netcdf._scan_or_refusal.cache_clear()
-    netcdf._REVALIDATED.clear()
+    inputs._file_set.cache_clear()
+    scan._scan_or_refusal.cache_clear()
+    blocks._REVALIDATED.clear()
 
 
 # ---------------------------------------------------------------- 1.-3. one cube, many forms

@@ -16,7 +16,9 @@ import xarray as xr
 from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.errors import ContractError, InputError
 from gridsolve.schemas.kinds.load import NetCDFLoad
-from gridsolve.stages.load.netcdf import fingerprint, infer_dims, locate, read_block, run
+from gridsolve.stages.load.blocks import read_block
+from gridsolve.stages.load.dims import infer_dims
+from gridsolve.stages.load.netcdf import fingerprint, locate, run
 
 from testkit import Chain, make_ds
 
