@@ -20,9 +20,7 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import (
-    create_markdown_artifact,
     create_progress_artifact,
-    create_table_artifact,
     update_progress_artifact,
 )
 from prefect.cache_policies import CachePolicy
@@ -36,8 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from gridsolve.flows.automations import FLOW_NAME, SCHEDULED_TAG
 from gridsolve.flows.failures import install as install_failure_logging
 from gridsolve.flows.failures import noting_user_errors
-from gridsolve.flows.quicklook import Caption, config_summary, write_loss_curve, write_quicklook
-from gridsolve.flows.quicklook import markdown as quicklook_markdown
+from gridsolve.flows.reporting import RunSummary, StageSummary, publish, summary_row, was_hit
 from gridsolve.schemas import templating
 from gridsolve.schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
 from gridsolve.schemas.base import StageConfig
@@ -236,95 +233,6 @@ def tile_task(
         return run_tile(config, refs, prepared, tile, ctx, use_cache=cache.enabled)
 
 
-# ---------------------------------------------------------------- summary
-class StageSummary(BaseModel):
-    """One row of the run summary."""
-
-    model_config = ConfigDict(frozen=True)
-
-    stage: str
-    impl: str
-    key: str
-    cache: str
-    hit: bool
-    seconds: float
-    pixels: int
-    #: None for a stage that is not tiled over pixels (or took no measurable time)
-    pixels_per_second: float | None
-
-
-class RunSummary(BaseModel):
-    """What a run did: one row per stage, the output path and status counts."""
-
-    model_config = ConfigDict(frozen=True)
-
-    stages: list[StageSummary]
-    output: str
-    #: per tiled stage that declares counts: e.g. pixel statuses, summed over tiles
-    counts: dict[str, dict[str, int]]
-    tiles: int
-    flow_run_id: str | None = None
-
-    @property
-    def all_hit(self) -> bool:
-        """Whether every stage was reused from the cache."""
-        return all(s.hit for s in self.stages)
-
-    def table(self) -> str:
-        """The summary as a text table."""
-        head = f"{'stage':<17}{'impl':<16}{'key':<14}{'cache':<20}{'seconds':>9}{'pixels/s':>14}"
-        lines = [head, "-" * len(head)]
-        for s in self.stages:
-            pps = f"{s.pixels_per_second:,.0f}" if s.pixels_per_second is not None else ""
-            lines.append(
-                f"{s.stage:<17}{s.impl:<16}{s.key[:12]:<14}{s.cache:<20}{s.seconds:>9.2f}{pps:>14}"
-            )
-        return "\n".join(lines)
-
-
-def _hit(state: State[Any], run: StageRun) -> bool:
-    return state.name == "Cached" or run.hit
-
-
-def cache_label(hits: Sequence[bool], tiled: bool = False) -> str:
-    """'hit', 'miss', or which part hit ('12/38 tiles hit').
-
-    A tiled stage's ``hits`` are its prepare step's, then each tile's; a
-    partial hit is counted in tiles.
-    """
-    if all(hits):
-        return "hit"
-    if not any(hits):
-        return "miss"
-    if not tiled:
-        return f"{sum(hits)}/{len(hits)} hit"
-    tiles = hits[1:]
-    label = f"{sum(tiles)}/{len(tiles)} tiles hit"
-    return label if hits[0] else f"{label}, prepare missed"
-
-
-def _row(
-    kind: str,
-    impl: str,
-    key: str,
-    hits: Sequence[bool],
-    seconds: float,
-    pixels: int,
-    tiled: bool = False,
-) -> StageSummary:
-    label = cache_label(hits, tiled)
-    return StageSummary(
-        stage=kind,
-        impl=impl,
-        key=key,
-        cache=label,
-        hit=all(hits),
-        seconds=round(seconds, 4),
-        pixels=pixels,
-        pixels_per_second=round(pixels / seconds, 1) if seconds > 0 and pixels else None,
-    )
-
-
 # ---------------------------------------------------------------- templating
 def template_values() -> dict[str, str]:
     """Values for ``{date}``-style placeholders, from the current flow run."""
@@ -456,7 +364,7 @@ def _stage_tiles(
     for tile, fut in completed_in_window(tiles, submit, _window(cfg.execution)):
         run = fut.result()
         by_index[tile.index] = run.ref
-        hits.append(_hit(fut.state, run))
+        hits.append(was_hit(fut.state, run))
         progress.one_more(step.kind)
     return by_index, hits
 
@@ -495,7 +403,7 @@ def run_tiles(
         pixels = sum(t.pixels for t in tiles)
         seconds = prep.seconds + time.perf_counter() - t0
         key = refs[step.kind].key
-        rows.append(_row(step.kind, step.decl.impl, key, hits, seconds, pixels, tiled=True))
+        rows.append(summary_row(step.kind, step.decl.impl, key, hits, seconds, pixels, tiled=True))
         logger.info("%s: cache %s (%d tile(s))", step.name, rows[-1].cache, len(tiles))
     return TilePhase(refs=out_refs, rows=rows, counts=counts)
 
@@ -575,8 +483,8 @@ def _whole(
         return_state=True,
     )
     run: StageRun = _this_runs_sources(step, state, cache, execution)
-    row = _row(
-        step.kind, step.decl.impl, run.ref.key, [_hit(state, run)], time.perf_counter() - t0, 0
+    row = summary_row(
+        step.kind, step.decl.impl, run.ref.key, [was_hit(state, run)], time.perf_counter() - t0, 0
     )
     return run, row
 
@@ -598,7 +506,7 @@ def _prepare(
         )
         run = _this_runs_sources(step, state, cfg.cache, cfg.execution)
         prepared[step.kind] = PreparedStage(
-            run=run, hit=_hit(state, run), seconds=time.perf_counter() - t0
+            run=run, hit=was_hit(state, run), seconds=time.perf_counter() - t0
         )
         refs[step.kind] = tiled_ref(step, run.ref)
     return prepared
@@ -741,59 +649,8 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         tiles=len(tiles or []),
         flow_run_id=str(rt_flow_run.id) if rt_flow_run.id else None,
     )
-    _publish(summary, getattr(cfg.write, "storage_options", None), cfg)
+    publish(summary, getattr(cfg.write, "storage_options", None), cfg)
     return summary
-
-
-def _publish(
-    summary: RunSummary,
-    options: Mapping[str, Any] | None = None,
-    cfg: PipelineConfig | None = None,
-) -> None:
-    """The run's artifacts in Prefect: the summary table and the quick-look picture."""
-    logger = get_run_logger()
-    counts = "; ".join(
-        f"{kind}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
-        for kind, c in summary.counts.items()
-    )
-    create_table_artifact(
-        table=[
-            {
-                "stage": r.stage,
-                "impl": r.impl,
-                "key": r.key,
-                "cache": r.cache,
-                "seconds": float(r.seconds),
-                # empty, not 0, for a stage that is not per pixel
-                "pixels_per_second": r.pixels_per_second,
-            }
-            for r in summary.stages
-        ],
-        key="gridsolve-summary",
-        description=f"gridsolve run summary: output {summary.output}; {counts}",
-    )
-    logger.info("wrote %s", summary.output)
-    try:
-        caption = Caption(
-            run=rt_flow_run.name or None,
-            deployment=rt_deployment.name or None,  # None for a CLI or local run
-            config=config_summary(cfg) if cfg is not None else "",
-        )
-        picture, png, reused = write_quicklook(summary.output, options, caption)
-        create_markdown_artifact(
-            markdown=quicklook_markdown(png, picture, summary.output, reused=reused),
-            key="gridsolve-quicklook",
-            description="first coefficient and residual RMS maps",
-        )
-        curve = write_loss_curve(summary.output, options)
-        if curve is not None:
-            create_markdown_artifact(
-                markdown=quicklook_markdown(curve[1], curve[0], summary.output, "training loss"),
-                key="gridsolve-loss-curve",
-                description="training and validation loss per epoch",
-            )
-    except Exception as exc:  # a picture must never fail a run that wrote its output
-        logger.warning("quick-look picture not made: %s", exc)
 
 
 @flow(name=FLOW_NAME, persist_result=False, validate_parameters=True, log_prints=True)

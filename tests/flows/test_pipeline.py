@@ -11,7 +11,8 @@ import xarray as xr
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-from gridsolve.flows.pipeline import RunSummary, cache_label, run_config
+from gridsolve.flows.pipeline import run_config
+from gridsolve.flows.reporting import RunSummary, cache_label
 from gridsolve.schemas.kinds.write import NetCDFWrite, ZarrWrite
 from gridsolve.schemas.pipeline import build_config
 

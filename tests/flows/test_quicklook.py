@@ -348,7 +348,7 @@ def test_the_flow_captions_its_quick_look_with_the_run_and_config(
 ) -> None:
     from prefect.client.orchestration import get_client
 
-    from gridsolve.flows import pipeline
+    from gridsolve.flows import pipeline, reporting
 
     captions: list[Caption] = []
     reused: list[bool] = []
@@ -360,7 +360,7 @@ def test_the_flow_captions_its_quick_look_with_the_run_and_config(
         reused.append(got[2])
         return got
 
-    monkeypatch.setattr(pipeline, "write_quicklook", recording)
+    monkeypatch.setattr(reporting, "write_quicklook", recording)
     cfg = build_config(
         {
             "load": {"path": str(write_cube(make_ds()))},

@@ -1,0 +1,165 @@
+"""What a run reports: its summary table, and the artifacts a person looks at in Prefect.
+
+The run summary (one row per stage: key, cache, seconds, pixels per second)
+is printed by the CLI and published as a table artifact; the quick-look
+picture and the loss curve (:mod:`~gridsolve.flows.quicklook`) as markdown
+artifacts. Reporting never fails a run that wrote its output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.client.schemas.objects import State
+from prefect.logging import get_run_logger
+from prefect.runtime import deployment as rt_deployment
+from prefect.runtime import flow_run as rt_flow_run
+from pydantic import BaseModel, ConfigDict
+
+from gridsolve.flows.quicklook import Caption, config_summary, write_loss_curve, write_quicklook
+from gridsolve.flows.quicklook import markdown as quicklook_markdown
+from gridsolve.schemas.artifacts import StageRun
+from gridsolve.schemas.pipeline import PipelineConfig
+
+
+class StageSummary(BaseModel):
+    """One row of the run summary."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stage: str
+    impl: str
+    key: str
+    cache: str
+    hit: bool
+    seconds: float
+    pixels: int
+    #: None for a stage that is not tiled over pixels (or took no measurable time)
+    pixels_per_second: float | None
+
+
+class RunSummary(BaseModel):
+    """What a run did: one row per stage, the output path and status counts."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stages: list[StageSummary]
+    output: str
+    #: per tiled stage that declares counts: e.g. pixel statuses, summed over tiles
+    counts: dict[str, dict[str, int]]
+    tiles: int
+    flow_run_id: str | None = None
+
+    @property
+    def all_hit(self) -> bool:
+        """Whether every stage was reused from the cache."""
+        return all(s.hit for s in self.stages)
+
+    def table(self) -> str:
+        """The summary as a text table."""
+        head = f"{'stage':<17}{'impl':<16}{'key':<14}{'cache':<20}{'seconds':>9}{'pixels/s':>14}"
+        lines = [head, "-" * len(head)]
+        for s in self.stages:
+            pps = f"{s.pixels_per_second:,.0f}" if s.pixels_per_second is not None else ""
+            lines.append(
+                f"{s.stage:<17}{s.impl:<16}{s.key[:12]:<14}{s.cache:<20}{s.seconds:>9.2f}{pps:>14}"
+            )
+        return "\n".join(lines)
+
+
+def was_hit(state: State[Any], run: StageRun) -> bool:
+    """Whether a stage task's result was reused (Prefect's cache, or the store's)."""
+    return state.name == "Cached" or run.hit
+
+
+def cache_label(hits: Sequence[bool], tiled: bool = False) -> str:
+    """'hit', 'miss', or which part hit ('12/38 tiles hit').
+
+    A tiled stage's ``hits`` are its prepare step's, then each tile's; a
+    partial hit is counted in tiles.
+    """
+    if all(hits):
+        return "hit"
+    if not any(hits):
+        return "miss"
+    if not tiled:
+        return f"{sum(hits)}/{len(hits)} hit"
+    tiles = hits[1:]
+    label = f"{sum(tiles)}/{len(tiles)} tiles hit"
+    return label if hits[0] else f"{label}, prepare missed"
+
+
+def summary_row(
+    kind: str,
+    impl: str,
+    key: str,
+    hits: Sequence[bool],
+    seconds: float,
+    pixels: int,
+    tiled: bool = False,
+) -> StageSummary:
+    """The summary row of one stage from its parts' hits, its seconds and its pixels."""
+    label = cache_label(hits, tiled)
+    return StageSummary(
+        stage=kind,
+        impl=impl,
+        key=key,
+        cache=label,
+        hit=all(hits),
+        seconds=round(seconds, 4),
+        pixels=pixels,
+        pixels_per_second=round(pixels / seconds, 1) if seconds > 0 and pixels else None,
+    )
+
+
+def publish(
+    summary: RunSummary,
+    options: Mapping[str, Any] | None = None,
+    cfg: PipelineConfig | None = None,
+) -> None:
+    """The run's artifacts in Prefect: the summary table and the quick-look picture."""
+    logger = get_run_logger()
+    counts = "; ".join(
+        f"{kind}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+        for kind, c in summary.counts.items()
+    )
+    create_table_artifact(
+        table=[
+            {
+                "stage": r.stage,
+                "impl": r.impl,
+                "key": r.key,
+                "cache": r.cache,
+                "seconds": float(r.seconds),
+                # empty, not 0, for a stage that is not per pixel
+                "pixels_per_second": r.pixels_per_second,
+            }
+            for r in summary.stages
+        ],
+        key="gridsolve-summary",
+        description=f"gridsolve run summary: output {summary.output}; {counts}",
+    )
+    logger.info("wrote %s", summary.output)
+    try:
+        caption = Caption(
+            run=rt_flow_run.name or None,
+            deployment=rt_deployment.name or None,  # None for a CLI or local run
+            config=config_summary(cfg) if cfg is not None else "",
+        )
+        picture, png, reused = write_quicklook(summary.output, options, caption)
+        create_markdown_artifact(
+            markdown=quicklook_markdown(png, picture, summary.output, reused=reused),
+            key="gridsolve-quicklook",
+            description="first coefficient and residual RMS maps",
+        )
+        curve = write_loss_curve(summary.output, options)
+        if curve is not None:
+            create_markdown_artifact(
+                markdown=quicklook_markdown(curve[1], curve[0], summary.output, "training loss"),
+                key="gridsolve-loss-curve",
+                description="training and validation loss per epoch",
+            )
+    except Exception as exc:  # a picture must never fail a run that wrote its output
+        logger.warning("quick-look picture not made: %s", exc)
