@@ -48,7 +48,7 @@ from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.runner import _open, prepare_stage, run_stage, run_tile
 from gridsolve.stages.engine.store import Store
 from gridsolve.stages.load.demo import make_cube, write_atomic
-from gridsolve.stages.model import vmapped
+from gridsolve.stages.model import building, compiled, vmapped
 
 from common import machine, print_verdicts, table
 
@@ -138,7 +138,7 @@ def run(folder: Path, n: int, repeats: int, loop_pixels: int) -> None:
     X = torch.from_numpy(pipe.coefficients())
     n_px = X.shape[0]
     cfg = MultidimLinearModel(input_dim=10, hidden_dim=10, output_dim=4)
-    module = vmapped.build_module(cfg)
+    module = building.build_module(cfg)
     params = {k: v.detach() for k, v in module.named_parameters()}
 
     # ---- the loop, extrapolated
@@ -188,7 +188,7 @@ def run(folder: Path, n: int, repeats: int, loop_pixels: int) -> None:
         prep = prepare_stage(mcfg, inputs_refs, pipe.ctx)
         prepared = pipe.ctx.store.get(prep.ref.key)
         opened = {k: _open(inputs_refs[k], pipe.ctx.store) for k in ("load", "design", "solve")}
-        vmapped._forget_compiled()
+        compiled._forget_compiled()
         t0 = time.perf_counter()
         out = vmapped.run_tile(mcfg, opened, prepared, pipe.tile, pipe.ctx)
         first = time.perf_counter() - t0

@@ -75,7 +75,7 @@ from torch import nn
 import gridsolve.stages  # noqa: F401  (registers the built-in implementations)
 from gridsolve.schemas.kinds.model import MultidimLinearModel
 from gridsolve.schemas.kinds.train import SGDTrain
-from gridsolve.stages.model import vmapped
+from gridsolve.stages.model import building
 from gridsolve.stages.train import dpsgd
 from gridsolve.stages.train.sampling import epoch_batches, steps_per_epoch
 from gridsolve.stages.train.stage import Rows, fetcher
@@ -113,8 +113,8 @@ def config() -> SGDTrain:
 
 
 def model() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """The stage's module (vmapped.build_module, seed 0) and its initial parameters."""
-    module = vmapped.build_module(MultidimLinearModel(input_dim=10, hidden_dim=10, output_dim=4))
+    """The stage's module (building.build_module, seed 0) and its initial parameters."""
+    module = building.build_module(MultidimLinearModel(input_dim=10, hidden_dim=10, output_dim=4))
     return module, {k: v.detach().clone() for k, v in module.named_parameters()}
 
 

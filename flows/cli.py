@@ -486,7 +486,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         open_store(cfg.cache.root, cfg.cache.storage_options)  # probes the bucket
     if isinstance(cfg.model, ModuleModel):
         # Only here is torch imported: the class the config names needs it anyway.
-        from gridsolve.stages.model.vmapped import import_target
+        from gridsolve.stages.model.building import import_target
 
         import_target(cfg.model.target, "model")
     print(config_to_yaml(cfg), end="")

@@ -1,7 +1,8 @@
 """The ``model`` declarations: registered without importing their code (torch).
 
-The implementation is ``stages/model/vmapped.py``, imported on the first model
-tile or prepare step that runs (see :class:`gridsolve.stages.engine.registry.Lazy`);
+The implementation is ``stages/model/vmapped.py`` (over building, checks, per_sample,
+chunk_kernel, compiled and tile_run), imported on the first model tile or prepare
+step that runs (see :class:`gridsolve.stages.engine.registry.Lazy`);
 what the plan and the cache key need before that lives here.
 """
 
@@ -46,7 +47,8 @@ def fingerprint(config: ModelConfig, ctx: StageContext) -> dict[str, str]:
         out["weights"] = file_digest(config.weights)
     if isinstance(config, ModuleModel):
         # A user's module needs torch anyway; the built-in model's key needs none.
-        from gridsolve.stages.model.vmapped import import_target, user_code_digest
+        from gridsolve.stages.model.building import import_target
+        from gridsolve.stages.model.vmapped import user_code_digest
 
         cls = import_target(config.target, _stage(config))
         out["code"] = user_code_digest(cls, config.target)

@@ -46,7 +46,7 @@ from gridsolve.stages.engine.context import StageContext, work_share
 from gridsolve.stages.engine.hashing import hash_text
 from gridsolve.stages.engine.pyparse import PARSE_LOCK, load_npy
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
-from gridsolve.stages.model import vmapped
+from gridsolve.stages.model import building
 from gridsolve.stages.train import dpsgd
 from gridsolve.stages.train.clipped_step import per_sample_grad_norms
 from gridsolve.stages.train.sampling import VALIDATION_BLOCK, block_split, privacy_spent
@@ -340,11 +340,11 @@ def fetcher(rows: Rows, subset: np.ndarray) -> dpsgd.Fetch:
 
 def _initial(model: ModelConfig) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The model's module with its initial weights (file or seed), and its parameters."""
-    module = vmapped.build_module(model)
+    module = building.build_module(model)
     if model.weights is not None:
         stage = f"model/{model.impl}"
-        vmapped.apply_weights(
-            module, vmapped.load_weights(model.weights, stage), model.weights, stage
+        building.apply_weights(
+            module, building.load_weights(model.weights, stage), model.weights, stage
         )
     params = {k: v.detach().clone() for k, v in module.named_parameters()}
     return module, params
@@ -472,7 +472,7 @@ def run(config: GradientTrain, inputs: Mapping[str, Any], ctx: StageContext) -> 
         )
     module, params = _initial(model)
     dtype = np.dtype(model.dtype)
-    shape = tuple(vmapped.input_shape(model))
+    shape = tuple(building.input_shape(model))
     check_outputs_match_target(config, module, params, shape, target.n_out, model.impl)
     resumed = _resume(config, ctx)
     with ctx.store.scratch() as folder:

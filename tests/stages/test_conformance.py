@@ -219,7 +219,7 @@ def test_model(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
     cfg, refs = _run(tmp_path, cube, ctx, "model", impl)
     coef = _assemble(ctx, refs["solve"], "coefficients")
     pred = _assemble(ctx, refs["model"], "prediction")
-    from gridsolve.stages.model.vmapped import build_module, input_shape
+    from gridsolve.stages.model.building import build_module, input_shape
 
     module = build_module(cfg.model)
     shape = input_shape(cfg.model)
@@ -272,7 +272,7 @@ def test_train(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
     status = _assemble(ctx, refs["solve"], "status")
     with xr.open_dataset(cube) as ds:
         target = ds["tgt"].values
-    from gridsolve.stages.model.vmapped import build_module, input_shape
+    from gridsolve.stages.model.building import build_module, input_shape
 
     def mse(module: torch.nn.Module) -> float:
         errors = []

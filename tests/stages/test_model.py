@@ -21,8 +21,8 @@ from gridsolve.schemas.kinds.model import ModuleModel, MultidimLinearModel
 from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.schemas.kinds.write import NetCDFWrite
+from gridsolve.stages.model.building import build_module
 from gridsolve.stages.model.multidim_linear import MultidimLinear
-from gridsolve.stages.model.vmapped import build_module
 
 import my_models
 from testkit import Chain, make_ds
@@ -465,7 +465,7 @@ def test_non_finite_outputs_are_not_ok(
     outputs mix NaN (log of a negative), +inf (log of an overflowed product),
     huge finite values and ordinary ones.
     """
-    from gridsolve.stages.model import vmapped
+    from gridsolve.stages.model import compiled
 
     coefs = run_model(chain, grid, MultidimLinearModel(input_dim=3, hidden_dim=2))["coefficients"]
     c0 = coefs[0].ravel().astype(np.float64)
@@ -482,7 +482,7 @@ def test_non_finite_outputs_are_not_ok(
         ref.lin.weight[1, 0] = 1.0
         ref.lin.bias.copy_(torch.tensor([3.4e38 - scale * q, -float(np.median(c0))]))
     path = checkpoint(ref, tmp_path / "log.pt")
-    vmapped._forget_compiled()
+    compiled._forget_compiled()
     run = Chain(chain.ctx)
     try:
         out = run_model(
@@ -496,7 +496,7 @@ def test_non_finite_outputs_are_not_ok(
             ),
         )
     finally:
-        vmapped._forget_compiled()
+        compiled._forget_compiled()
     assert kernel_used(run) == ("compiled" if compile_mode == "always" else "eager")
     pred = out["prediction"]
     assert np.isnan(pred).any() and np.isposinf(pred).any() and np.isfinite(pred).any()
@@ -514,11 +514,11 @@ def test_non_finite_outputs_are_not_ok(
 @pytest.fixture
 def fresh_kernels() -> Any:
     """No compiled kernel carried over from another test (they are cached per process)."""
-    from gridsolve.stages.model import vmapped
+    from gridsolve.stages.model import compiled
 
-    vmapped._forget_compiled()
-    yield vmapped
-    vmapped._forget_compiled()
+    compiled._forget_compiled()
+    yield compiled
+    compiled._forget_compiled()
 
 
 def kernel_used(chain: Chain) -> str:

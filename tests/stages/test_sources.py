@@ -27,7 +27,7 @@ from gridsolve.schemas.kinds.write import NetCDFWrite
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.runner import run_stage, with_sources
 from gridsolve.stages.engine.store import Store
-from gridsolve.stages.model.vmapped import build_module
+from gridsolve.stages.model.building import build_module
 
 from testkit import Chain, make_ds
 
