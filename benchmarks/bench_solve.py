@@ -35,8 +35,9 @@ import torch
 
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.load.patterns import common_patterns, full_hash, pattern_hash
-from gridsolve.stages.solve.lstsq import SharedOperator, make_operator, solve_block
+from gridsolve.stages.solve.block import solve_block
 from gridsolve.stages.solve.outputs import p_values, t_values
+from gridsolve.stages.solve.prepared import SharedOperator, make_operator
 
 from common import machine, median_pair_seconds, median_seconds, table
 

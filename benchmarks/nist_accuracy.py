@@ -29,7 +29,7 @@ import nist_strd
 
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.load import patterns
-from gridsolve.stages.solve import lstsq
+from gridsolve.stages.solve import block, prepared
 
 PIXELS = 6
 PATHS = ("shared", "pattern", "per_pixel")
@@ -71,8 +71,8 @@ def path_fit(ds: nist_strd.Dataset, path: str) -> dict[str, np.ndarray]:
     elif path == "per_pixel":
         own = np.repeat(np.linspace(0.5, 2.0, PIXELS)[None, :], A.shape[0], axis=0)
     config = LstsqSolve(dtype="float64", uncertainty="stderr")
-    op = lstsq.make_operator(A, np.ones(A.shape[0]), config)
-    out = lstsq.solve_block(B, op, config, own_weights=own, gap_patterns=gaps)
+    op = prepared.make_operator(A, np.ones(A.shape[0]), config)
+    out = block.solve_block(B, op, config, own_weights=own, gap_patterns=gaps)
     got = dict(out.arrays)
     got["paths"] = np.array([out.meta["paths"][p] for p in PATHS])
     return got

@@ -441,7 +441,7 @@ def statistics(
     fell_back_ridge: int,
     out: dict[str, np.ndarray],
 ) -> None:
-    """:func:`lstsq._statistics` (without covariance) of P pixels, into ``out``'s arrays.
+    """:func:`uncertainty._statistics` (without covariance) of P pixels, into ``out``'s arrays.
 
     ``C``, ``var`` (coef, P) float64 and ``out``'s ``coef_stderr`` (coef, P) float64
     may be views whose rows are not adjacent; ``status`` (P,) int8,

@@ -19,6 +19,7 @@ import torch
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.stages.engine.agreement import disagreements
 from gridsolve.stages.solve import kernel, linalg
+from gridsolve.stages.solve.block import solve_block
 from gridsolve.stages.solve.cholesky import (
     PackedFactor,
     _step,
@@ -28,7 +29,6 @@ from gridsolve.stages.solve.cholesky import (
     packed_cholesky,
 )
 from gridsolve.stages.solve.columns import residual_moments
-from gridsolve.stages.solve.lstsq import make_operator, solve_block
 from gridsolve.stages.solve.policy import (
     FELL_BACK_MINNORM,
     FELL_BACK_RIDGE,
@@ -40,6 +40,7 @@ from gridsolve.stages.solve.policy import (
     UNDERDETERMINED,
     Policy,
 )
+from gridsolve.stages.solve.prepared import make_operator
 from gridsolve.stages.solve.primal import _primal, _primal_setup
 from gridsolve.stages.solve.spread import _primal_spread
 
@@ -544,9 +545,9 @@ def test_gapwise_dual_agrees_with_the_eager_path_and_lstsq(
 def test_statistics_equal_the_numpy_ones(
     policy: str, cov_scale: str, dtype: str, calls: dict[str, int]
 ) -> None:
-    """The per-pixel path's statistics (gs_statistics) against lstsq._statistics, bit for bit:
+    """The per-pixel path's statistics (gs_statistics) against uncertainty._statistics, bit for bit:
     both are the same correctly rounded IEEE operations."""
-    from gridsolve.stages.solve import lstsq
+    from gridsolve.stages.solve import uncertainty
 
     rng = np.random.default_rng(11)
     coef, p = 4, 301
@@ -567,9 +568,9 @@ def test_statistics_equal_the_numpy_ones(
     edf = np.full(p, float(coef))
     edf[50:60] += rng.uniform(-1e-7, 1e-7, 10)  # rounding of the effective rank
     edf[60:70] = coef - rng.random(10)  # a ridge-shrunk rank
-    want = lstsq._statistics(C, n_valid, status, wrms, trms, var, edf, None, config)
+    want = uncertainty._statistics(C, n_valid, status, wrms, trms, var, edf, None, config)
     for idx in (slice(0, p), np.arange(p)):
-        mom = lstsq._Moments(coef, p, config)
+        mom = uncertainty._Moments(coef, p, config)
         mom.put(idx, C, n_valid, status, wrms, trms, var, edf, None)
         assert mom.done.all()
         for name, values in want.items():

@@ -328,7 +328,8 @@ def test_fallback_none_gives_nan_and_singular(chain: Chain, write_cube: Any) -> 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_solve_block_leaves_its_input_alone(dtype: str) -> None:
-    from gridsolve.stages.solve.lstsq import make_operator, solve_block
+    from gridsolve.stages.solve.block import solve_block
+    from gridsolve.stages.solve.prepared import make_operator
 
     rng = np.random.default_rng(0)
     A = rng.standard_normal((10, 3))
@@ -475,7 +476,7 @@ def test_float64_extremes_keep_cholesky_pixels_ok(
 
 
 def test_all_zero_shared_weights_are_named_not_a_float32_problem() -> None:
-    from gridsolve.stages.solve.lstsq import make_operator
+    from gridsolve.stages.solve.prepared import make_operator
 
     A = np.vander(np.linspace(-1, 1, 10), 3, increasing=True)
     with pytest.raises(ContractError) as err:
@@ -503,7 +504,8 @@ def test_valid_range_sentinel_is_a_gap(chain: Chain, write_cube: Any) -> None:
 
 def test_solve_block_without_the_cube_maximum_scans_each_block() -> None:
     # Called directly (no load stage), the operator does not know the data's range.
-    from gridsolve.stages.solve.lstsq import make_operator, solve_block
+    from gridsolve.stages.solve.block import solve_block
+    from gridsolve.stages.solve.prepared import make_operator
 
     A = np.vander(np.linspace(-1, 1, 12), 6, increasing=True)
     b = make_ds(n_obs=12, ny=4, nx=4)["signal"].values.reshape(12, -1)
@@ -522,7 +524,8 @@ def test_solve_block_without_the_cube_maximum_scans_each_block() -> None:
 @pytest.mark.parametrize("uncertainty", ["none", "stderr"])
 def test_arrays_in_the_other_byte_order_give_the_same_results(uncertainty: str) -> None:
     # NetCDF-3 files and some archives hold big-endian arrays; torch reads no such array.
-    from gridsolve.stages.solve.lstsq import make_operator, solve_block
+    from gridsolve.stages.solve.block import solve_block
+    from gridsolve.stages.solve.prepared import make_operator
 
     A = np.vander(np.linspace(-1, 1, 20), 4, increasing=True)
     B = make_ds(n_obs=20, ny=5, nx=6)["signal"].values.reshape(20, -1)
@@ -555,7 +558,8 @@ def test_min_valid_above_the_observations_gives_the_same_status_in_every_tile(
     policy: str,
 ) -> None:
     """A pixel's status never depends on its neighbours: gaps elsewhere in the tile or not."""
-    from gridsolve.stages.solve.lstsq import make_operator, solve_block
+    from gridsolve.stages.solve.block import solve_block
+    from gridsolve.stages.solve.prepared import make_operator
 
     rng = np.random.default_rng(3)
     n = 12
@@ -579,7 +583,8 @@ def test_min_valid_above_the_observations_gives_the_same_status_in_every_tile(
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_infinite_data_are_gaps_on_the_per_pixel_path(dtype: str) -> None:
-    from gridsolve.stages.solve.lstsq import make_operator, solve_block
+    from gridsolve.stages.solve.block import solve_block
+    from gridsolve.stages.solve.prepared import make_operator
 
     rng = np.random.default_rng(3)
     A = np.vander(np.linspace(-1, 1, 30), 4, increasing=True)
@@ -599,7 +604,8 @@ def test_infinite_data_are_gaps_on_the_per_pixel_path(dtype: str) -> None:
 @pytest.mark.parametrize("n_obs", [40, 300])
 def test_valid_counts_past_one_byte(n_obs: int) -> None:
     """n_valid counts each pixel's finite observations, with more than 255 of them too."""
-    from gridsolve.stages.solve.lstsq import make_operator, solve_block
+    from gridsolve.stages.solve.block import solve_block
+    from gridsolve.stages.solve.prepared import make_operator
 
     rng = np.random.default_rng(n_obs)
     A = np.vander(np.linspace(-1, 1, n_obs), 3, increasing=True)

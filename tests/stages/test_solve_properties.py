@@ -224,7 +224,8 @@ def test_solve_block_every_pixel_is_lstsq_or_flagged(c: dict[str, Any], dtype: s
     from gridsolve.schemas.errors import NumericalError
     from gridsolve.schemas.kinds.solve import LstsqSolve
     from gridsolve.stages.load.patterns import common_patterns, full_hash, pattern_hash
-    from gridsolve.stages.solve.lstsq import make_operator, solve_block
+    from gridsolve.stages.solve.block import solve_block
+    from gridsolve.stages.solve.prepared import make_operator
 
     A, B, policy = c["A"], c["B"].astype(dtype), c["policy"]
     coef = A.shape[1]

@@ -13,8 +13,9 @@ import statsmodels.api as sm
 from gridsolve.schemas.contracts import STATUS_CODES
 from gridsolve.schemas.kinds.design import PolynomialDesign, RandomDesign
 from gridsolve.schemas.kinds.solve import LstsqSolve
-from gridsolve.stages.solve.lstsq import make_operator, solve_block
+from gridsolve.stages.solve.block import solve_block
 from gridsolve.stages.solve.outputs import p_values, t_values
+from gridsolve.stages.solve.prepared import make_operator
 
 from testkit import Chain, make_ds
 
