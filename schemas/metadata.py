@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.errors import StageError
@@ -165,6 +165,12 @@ class DesignMeta(Meta):
     #: the raw observation axis's unit (the trend is per it)
     axis_step: str | None = None
 
+    @model_validator(mode="after")
+    def _harmonics_have_a_period(self) -> Self:
+        if self.harmonics and self.period is None:
+            raise ValueError("a design with harmonics must give their period")
+        return self
+
     def describe(self) -> str:
         """One line for the run summary."""
         return f"{self.coef} coefficients, rank {self.rank}, condition number {self.cond:.3g}"
@@ -204,6 +210,11 @@ class ModelPrepared(Meta):
 
     params: dict[str, list[int]]
     buffers: dict[str, list[int]] = Field(default_factory=dict)
+    #: each parameter's dim names, and the input's (None: the model names none)
+    param_dims: dict[str, list[str]] = Field(default_factory=dict)
+    input_dims: list[str] | None = None
+    #: what the per-sample gradients are of: ``sum`` of the outputs, or ``mse``
+    objective: str | None = None
     input_shape: list[int]
     n_out: int
     dtype: str

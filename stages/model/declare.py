@@ -17,6 +17,7 @@ import numpy as np
 from gridsolve.schemas.contracts import ArraySpec
 from gridsolve.schemas.errors import InputError
 from gridsolve.schemas.kinds.model import ModelConfig, ModuleModel, MultidimLinearModel, NoModel
+from gridsolve.schemas.metadata import ModelPrepared
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.hashing import file_digest
 from gridsolve.stages.engine.registry import Lazy, StageDecl, register, register_none
@@ -64,13 +65,14 @@ TILE_OUTPUTS = {
 
 def pixel_bytes(prepared: Mapping[str, Any]) -> int:
     """Memory one pixel of a tile holds here: input, outputs, gradients (and Jacobians)."""
-    item = np.dtype(prepared["dtype"]).itemsize
-    n_out = int(prepared["n_out"])
-    n_in = int(np.prod(prepared["input_shape"]))
-    n_par = sum(int(np.prod(s)) for s in prepared["params"].values())
-    wrt = prepared["wrt"]
+    meta = ModelPrepared.of(prepared)
+    item = np.dtype(meta.dtype).itemsize
+    n_out = meta.n_out
+    n_in = int(np.prod(meta.input_shape))
+    n_par = sum(int(np.prod(s)) for s in meta.params.values())
+    wrt = meta.wrt
     grads = (n_par if wrt in ("params", "both") else 0) + (n_in if wrt in ("input", "both") else 0)
-    jac = n_out if prepared["jacobian"] else 0
+    jac = n_out if meta.jacobian else 0
     return int(item * (n_in + n_out + grads * (1 + jac)) + 8 * n_in)
 
 

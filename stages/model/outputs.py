@@ -8,16 +8,15 @@ writing a cached run imports none.
 from __future__ import annotations
 
 from gridsolve.schemas.contracts import MODEL_STATUS_FLAGS
+from gridsolve.schemas.metadata import ModelPrepared
 from gridsolve.stages.engine.outputs import OutputContext, OutputVariable, flag_attrs
 
 
 def variables(ctx: OutputContext) -> list[OutputVariable]:
     """Every variable the model writes (those of optional arrays the run did not make too)."""
-    m = ctx.own.meta
+    m = ModelPrepared.of(ctx.own)
     # a model that makes no gradients need not say what they are of
-    obj = (
-        "sum of outputs" if m.get("objective") == "sum" else "mean squared error against the target"
-    )
+    obj = "sum of outputs" if m.objective == "sum" else "mean squared error against the target"
     out = [
         OutputVariable(
             "prediction",
@@ -42,10 +41,10 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
     ):
         lead = ("output",) if kind == "jac" else ()
         of = f" of the {obj}" if kind == "grad" else ""
-        for name, dims in (m.get("param_dims") or {}).items():
+        for name, named in m.param_dims.items():
             # A parameter dim named like the Jacobian's own (the bias's "output")
             # gets a name of its own: one dim may not appear twice in a variable.
-            dims = tuple(f"{d}_wrt" if d in lead else d for d in dims)
+            dims = tuple(f"{d}_wrt" if d in lead else d for d in named)
             out.append(
                 OutputVariable(
                     f"{kind}_{name.replace('.', '_')}",
@@ -60,14 +59,14 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
                     },
                 )
             )
-        if "input_dims" not in m:
+        if m.input_dims is None:
             continue
         out.append(
             OutputVariable(
                 f"{kind}_input",
                 "model",
                 f"{kind}:input",
-                (*lead, *m["input_dims"], "y", "x"),
+                (*lead, *m.input_dims, "y", "x"),
                 {
                     "long_name": f"per-sample {kind_word[kind]} wrt the model input",
                     "comment": f"{label} with respect to the input (the coefficients){of}",

@@ -12,6 +12,7 @@ from typing import Any
 
 from gridsolve.schemas.contracts import ArraySpec
 from gridsolve.schemas.kinds.solve import LstsqSolve
+from gridsolve.schemas.metadata import SolvePrepared
 from gridsolve.stages.engine.registry import Lazy, StageDecl, register
 
 VERSION = "2"
@@ -26,12 +27,13 @@ TILE_OUTPUTS = {
 
 def pixel_bytes(prepared: Mapping[str, Any]) -> int:
     """Memory one pixel of a tile holds here: its series, mask, weights and results."""
-    n_obs, coef = int(prepared["obs"]), int(prepared["coef"])
+    meta = SolvePrepared.of(prepared)
+    n_obs, coef = meta.obs, meta.coef
     # uncertainty: float64 moments and the stored results (stderr; the covariance); t and
     # p are the writer's
     extra = {"none": 0, "stderr": 5 * coef + 12, "cov": 5 * coef + 12 + 2 * coef * coef}
     # + coef: the undetermined-coefficient mask of a tile with underdetermined pixels
-    return n_obs * (8 + 8 + 1) + 9 * coef + 16 + 8 * extra[prepared.get("uncertainty", "none")]
+    return n_obs * (8 + 8 + 1) + 9 * coef + 16 + 8 * extra[meta.uncertainty]
 
 
 register(

@@ -5,7 +5,7 @@ What they do (each replaces an eager function of :mod:`~gridsolve.stages.solve.l
 * ``gs_cholesky``, ``gs_solve``, ``gs_spread``: the packed Cholesky factor of every
   pixel's normal equations, its solves, and the spread ``Z = L⁻¹T`` with
   ``diag(ZᵀZ)`` (:func:`linalg.packed_cholesky`, :meth:`linalg.PackedFactor.solve_`,
-  :func:`linalg._primal_spread`). In torch these are a loop over the matrix order of
+  :func:`spread._primal_spread`). In torch these are a loop over the matrix order of
   elementwise operations on (·, pixels) arrays: hundreds of operations per batch, each
   a pass through memory. Here the pixels are the innermost loop, 64 at a time, so a
   block's factors stay in the L1 cache. ``gs_cholesky`` also solves the first
@@ -22,7 +22,7 @@ What they do (each replaces an eager function of :mod:`~gridsolve.stages.solve.l
   data read once, its Gram matrix, factor, solve, refinement, residual sums and
   variances in registers, instead of the separate passes over float64 copies of the
   batch, which are bound by memory.
-* ``gs_step``: a refinement step's correction and convergence test (:func:`linalg._step`).
+* ``gs_step``: a refinement step's correction and convergence test (:func:`cholesky._step`).
 * ``gs_load``, ``gs_statistics``, ``gs_gap_solve``: a batch's data as float64 (and its
   0/1 weights), the uncertainty's statistics straight into the outputs, and the
   gap-wise dual's gather-solve-scatter.
@@ -376,7 +376,7 @@ def solve_(G: torch.Tensor, n: int, h: torch.Tensor, square: bool = False) -> to
 def step(
     x: torch.Tensor, dx: torch.Tensor, ok: torch.Tensor, conv: torch.Tensor | None, tol: float
 ) -> torch.Tensor:
-    """:func:`linalg._step` for one pair, ``x`` corrected in place; which pixels converged."""
+    """:func:`cholesky._step` for one pair, ``x`` corrected in place; which pixels converged."""
     lib = _loaded()
     n, p = x.shape
     flags = [ok] if conv is None else [ok, conv]
@@ -394,7 +394,7 @@ def step(
 def gap_solve(
     L: torch.Tensor, rows: torch.Tensor, u: torch.Tensor, Z: torch.Tensor, a: int
 ) -> None:
-    """:func:`linalg._dual_schur`'s solve of one gap group, gathering and scattering in one pass.
+    """:func:`dual._dual_schur`'s solve of one gap group, gathering and scattering in one pass.
 
     For the group's pixels (columns ``a`` on of ``u`` and ``Z``, both contiguous):
     ``Z[rows] = (L Lᵀ)⁻¹ u[rows]``; ``L`` (k, k, n), ``rows`` (k, n) int64.

@@ -152,7 +152,7 @@ def _design_attrs(design: Artifact) -> dict[str, Any]:
     if col_units and len(set(col_units)) == 1 and col_units[0] is not None:
         design_attrs["units"] = col_units[0]
     for k in ("t_centre", "t_scale", "t_units", "period"):
-        if k in meta.model_fields_set:  # the design gave it (a None would be a bad attribute)
+        if k in meta.model_fields_set:  # the key was given, as the old "k in meta" test
             design_attrs[k] = getattr(meta, k)
     if "t_centre" in meta.model_fields_set:
         design_attrs["comment"] = (

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import numpy as np
 
 from gridsolve.schemas.kinds.solve import SolveConfig
+from gridsolve.schemas.metadata import SolvePrepared
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.outputs import OutputContext, OutputVariable
 from gridsolve.stages.engine.registry import StageDecl, register, unregister
@@ -83,6 +84,10 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
     ]
 
 
+def _pixel_bytes(meta: SolvePrepared) -> int:
+    return 8 * (2 * meta.obs + meta.coef + 2)
+
+
 DECL = StageDecl(
     kind="solve",
     impl="numpy_lstsq",
@@ -92,7 +97,9 @@ DECL = StageDecl(
     prepare=prepare,
     tiled=True,
     inputs=("load", "design"),
-    pixel_bytes=lambda prepared: 8 * (2 * int(prepared["obs"]) + int(prepared["coef"]) + 2),
+    pixel_bytes=lambda prepared: (
+        8 * (2 * SolvePrepared.of(prepared).obs + SolvePrepared.of(prepared).coef + 2)
+    ),
     counts="status_counts",
     variables=variables,
 )

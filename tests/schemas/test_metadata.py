@@ -17,18 +17,36 @@ ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("stages", "flows", "gridsolve", "tests/plugins")
 
 
-def _is_meta(node: ast.expr) -> bool:
-    """``x.meta``, ``meta``, ``load_meta``, …: an expression that names stage metadata."""
-    name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
-    return name == "meta" or name.endswith("_meta")
+#: names that hold stage metadata by convention (``pixel_bytes(prepared)`` gets a mapping)
+META_NAMES = {"meta", "prepared"}
+
+
+def _aliases(tree: ast.AST) -> set[str]:
+    """Names bound to an ``x.meta`` expression (``m = ctx.own.meta``), which hold it too."""
+    found = set()
+    for node in ast.walk(tree):
+        value = node.value if isinstance(node, ast.Assign) else None
+        if isinstance(value, ast.Attribute) and value.attr == "meta":
+            found |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return found
 
 
 def string_keyed_reads(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, key) of every ``meta["key"]`` read and ``meta.get("key")`` call in ``tree``.
 
-    Keys with a leading underscore are the engine's own bookkeeping (``_stage_key``),
-    not a kind's metadata; writing a key (building the metadata) is not a read.
+    Metadata is what an ``x.meta`` attribute, a name ``meta``/``prepared``/``*_meta``, or
+    a name bound to an ``x.meta`` holds. Keys with a leading underscore are the engine's
+    own bookkeeping (``_stage_key``), not a kind's metadata; writing a key (building the
+    metadata) is not a read.
     """
+    names = META_NAMES | _aliases(tree)
+
+    def _is_meta(node: ast.expr) -> bool:
+        if isinstance(node, ast.Attribute):
+            return node.attr == "meta" or node.attr.endswith("_meta")
+        name = getattr(node, "id", "")
+        return name in names or name.endswith("_meta")
+
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         key: object = None
@@ -56,7 +74,14 @@ def string_keyed_reads(tree: ast.AST) -> list[tuple[int, str]]:
 def test_the_scan_finds_string_keyed_reads() -> None:
     src = 'a = load.meta["y_dim"]\nb = design.meta.get("trend")\nc = load_meta["ny"]\n'
     src += 'meta["built"] = 1\nd = prepared.meta["_stage_key"]\ne = row["meta"]\n'
-    assert string_keyed_reads(ast.parse(src)) == [(1, "y_dim"), (2, "trend"), (3, "ny")]
+    src += 'm = ctx.own.meta\nf = m.get("objective")\ng = prepared["obs"]\n'
+    assert string_keyed_reads(ast.parse(src)) == [
+        (1, "y_dim"),
+        (2, "trend"),
+        (3, "ny"),
+        (8, "objective"),
+        (9, "obs"),
+    ]
 
 
 def test_no_string_keyed_reads_of_stage_metadata() -> None:
@@ -125,9 +150,20 @@ def test_design_meta_types_the_trend_and_harmonics() -> None:
             "columns": ["1", "t", "cos1", "sin1"],
             "trend": {"column": 1, "scale": 182.5, "per": "day"},
             "harmonics": [{"k": 1, "cos": 2, "sin": 3}],
+            "period": 365.25,
         }
     )
     assert meta.trend is not None and meta.trend.column == 1 and meta.trend.per == "day"
     assert [(h.k, h.cos, h.sin) for h in meta.harmonics] == [(1, 2, 3)]
     assert "t_centre" not in meta.model_fields_set and meta.t_centre is None
     assert meta.describe() == "4 coefficients, rank 4, condition number 2.5"
+
+
+def test_harmonics_without_a_period_break_the_design_contract() -> None:
+    # the writer's amplitude and peak time need the period: a design that gives harmonics
+    # without one is refused where it is made, not written without those variables
+    with pytest.raises(ValidationError, match="period"):
+        DesignMeta.of(
+            {"coef": 3, "rank": 3, "cond": 1.0, "columns": ["1", "cos1", "sin1"]}
+            | {"harmonics": [{"k": 1, "cos": 1, "sin": 2}]}
+        )
