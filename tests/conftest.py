@@ -90,6 +90,11 @@ def prefect_server() -> Iterator[LocalServer]:
         shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # A session that started no server (a targeted run) left the folder behind in /tmp.
+    shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "prefect_server" in getattr(item, "fixturenames", ()):
