@@ -198,11 +198,12 @@ def run_polynomial(
 ) -> StageOutput:
     """Columns t**0 … t**degree of the (scaled) observation coordinate."""
     raw = inputs["load"].array("obs")
-    v, unit = obs_axis(raw, "design/polynomial", stored_time(LoadMeta.of(inputs["load"])))
+    load = LoadMeta.of(inputs["load"])
+    v, unit = obs_axis(raw, "design/polynomial", stored_time(load))
     centre, half = centre_scale(v) if config.scale else (0.0, 1.0)
     t = (v - centre) / half
     A = np.stack([t**k for k in range(config.degree + 1)], axis=1)
-    step = axis_unit(LoadMeta.of(inputs["load"]), raw)
+    step = axis_unit(load, raw)
     # Scaled columns are pure numbers; raw ones carry the axis unit to their power.
     col_units = ["1" if config.scale else power_unit(step, k) for k in range(config.degree + 1)]
     return _output(

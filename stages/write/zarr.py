@@ -83,7 +83,7 @@ def _template(
     sizes: dict[str, int] = {yx[0]: meta.ny, yx[1]: meta.nx}
     sizes.update({str(d): int(n) for d, n in base.sizes.items()})
     lead_dims = meta.lead_dims
-    sizes.update(zip(meta.lead_dims, meta.lead_shape, strict=True))
+    sizes.update(zip(lead_dims, meta.lead_shape, strict=True))
     out = base.copy()
     for v in variables:
         data = v.data(first)
