@@ -2,7 +2,7 @@
 
 The run summary (one row per stage: key, cache, seconds, pixels per second)
 is printed by the CLI and published as a table artifact; the quick-look
-picture and the loss curve (:mod:`~gridsolve.flows.quicklook`) as markdown
+picture and the loss curve (:mod:`gridsolve.report`) as markdown
 artifacts. Reporting never fails a run that wrote its output.
 """
 
@@ -18,8 +18,8 @@ from prefect.runtime import deployment as rt_deployment
 from prefect.runtime import flow_run as rt_flow_run
 from pydantic import BaseModel, ConfigDict
 
-from gridsolve.flows.quicklook import Caption, config_summary, write_loss_curve, write_quicklook
-from gridsolve.flows.quicklook import markdown as quicklook_markdown
+from gridsolve.report.pictures import Caption, config_summary, write_loss_curve, write_quicklook
+from gridsolve.report.pictures import markdown as quicklook_markdown
 from gridsolve.schemas.artifacts import StageRun
 from gridsolve.schemas.pipeline import PipelineConfig
 

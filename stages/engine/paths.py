@@ -216,7 +216,7 @@ def atomic_folder(final: Path) -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------- outputs that would destroy
-#: Files a run writes beside ``write.path`` (flows/quicklook.py, stages/train/outputs.py).
+#: Files a run writes beside ``write.path`` (gridsolve/report/pictures.py, stages/train/outputs.py).
 QUICKLOOK_SUFFIX = ".quicklook.png"
 LOSS_SUFFIX = ".loss.png"
 WEIGHTS_SUFFIX = ".weights.safetensors"

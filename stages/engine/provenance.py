@@ -62,7 +62,7 @@ def is_gridsolve_output(path: Path) -> bool:
 #: output (quick-look, loss picture, trained weights) as gridsolve's.
 MARK_KEY = "gridsolve"
 MARK_VALUE = "written by gridsolve beside its output"
-#: The PNG text key of a quick-look's stamp of the output it shows (flows/quicklook.py);
+#: The PNG text key of a quick-look's stamp of the output it shows (gridsolve/report/pictures.py);
 #: quick-looks written before :data:`MARK_KEY` carry only this.
 STAMP_KEY = "gridsolve-output"
 

@@ -559,7 +559,8 @@ def test_many_tiles_give_the_numbers_of_one(ctx: Any, tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- 7. quick look
 def test_quicklook_names_the_batch_dims(ctx: Any, tmp_path: Path) -> None:
-    from gridsolve.flows.quicklook import first_plane, quicklook_png
+    from gridsolve.report.drawing import quicklook_png
+    from gridsolve.report.maps import first_plane
 
     path = write(cube5([500]), tmp_path)
     pipeline(ctx, tmp_path, path, load={"select": {"pressure": [500]}}, name="five.nc")

@@ -9,7 +9,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from safetensors.numpy import save_file
 
-from gridsolve.flows import quicklook
+from gridsolve.report import drawing
 from gridsolve.stages.engine.provenance import is_gridsolve_side_file, png_text
 from gridsolve.stages.engine.store import Artifact
 from gridsolve.stages.train.outputs import weights_path, write_weights
@@ -41,7 +41,7 @@ def test_a_users_safetensors_file_is_not_gridsolve_s(tmp_path: Path) -> None:
 def test_every_picture_gridsolve_draws_is_marked(tmp_path: Path) -> None:
     fig = Figure()
     fig.subplots().plot([0, 1], [1, 0])
-    png = quicklook._png(fig)  # the loss picture's and the quick-look's encoder
+    png = drawing.to_png(fig)  # the loss picture's and the quick-look's encoder
     meta: Any = png_text(png)
     assert meta["gridsolve"] and "gridsolve-output" not in meta
     path = tmp_path / "out.nc.loss.png"

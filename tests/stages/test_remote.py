@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from gridsolve.flows.quicklook import open_output
+from gridsolve.report.maps import open_output
 from gridsolve.schemas.errors import ConfigError, GridsolveError, InputError, OutputError
 from gridsolve.schemas.pipeline import build_config
 from gridsolve.stages.engine import remote
@@ -337,7 +337,7 @@ def test_zarr_output_replaces_what_a_killed_writer_left_but_not_other_data(
 def test_quick_look_of_a_bucket_output_uses_the_write_storage_options(
     s3: Any, tmp_path: Path, cube: xr.Dataset, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gridsolve.flows.quicklook import write_quicklook
+    from gridsolve.report.pictures import write_quicklook
 
     cube.to_netcdf(tmp_path / "cube.nc")
     src = str(tmp_path / "cube.nc")

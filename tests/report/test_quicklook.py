@@ -18,19 +18,9 @@ from matplotlib.axes import Axes
 from matplotlib.collections import QuadMesh
 from matplotlib.figure import Figure
 
-from gridsolve.flows.quicklook import (
-    STAMP_KEY,
-    Caption,
-    colour_scale,
-    config_summary,
-    drawn_from,
-    png_text,
-    quicklook_figure,
-    quicklook_png,
-    significant_trend,
-    status_counts,
-    write_quicklook,
-)
+from gridsolve.report.drawing import quicklook_figure, quicklook_png
+from gridsolve.report.maps import colour_scale, significant_trend, status_counts
+from gridsolve.report.pictures import Caption, config_summary, drawn_from, write_quicklook
 from gridsolve.schemas.kinds.design import PolynomialDesign, RandomDesign
 from gridsolve.schemas.kinds.load import NetCDFLoad
 from gridsolve.schemas.kinds.model import MultidimLinearModel
@@ -38,6 +28,7 @@ from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
 from gridsolve.schemas.kinds.solve import LstsqSolve
 from gridsolve.schemas.kinds.write import NetCDFWrite
 from gridsolve.schemas.pipeline import build_config
+from gridsolve.stages.engine.provenance import STAMP_KEY, png_text
 
 from testkit import Chain, make_ds
 

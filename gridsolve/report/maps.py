@@ -1,46 +1,25 @@
-"""A quick-look picture of an output file: maps that say what they show, and a caption.
+"""What the quick-look maps of an output file show: panels, colour scales, status counts.
 
 The maps are the first coefficient, the residual RMS (or, where that is the
 same everywhere, what varies instead: the RMS of the fitted values or the
 valid counts, the reason in the title) and, where the output has a trend with
-p-values, the trend where it is significant. Each map is titled with its
-variable's ``long_name`` and ``units`` and drawn on the map dims' coordinates;
-the caption names the run, its deployment, the config keys that were set and
-the solve status counts of the whole file.
-
+p-values, the trend where it is significant. Each is titled with its
+variable's ``long_name`` and ``units`` and drawn on the map dims' coordinates.
 A cube with more batch dims than y and x is shown at their first index.
-
-A picture is not redrawn for an output file it was already drawn from (same
-file: size, mtime, inode; same deployment and config keys; same drawing code
-and matplotlib): a fully cached rerun reuses it, and its caption names the run
-that drew it. matplotlib is
-imported only to draw.
 """
 
 from __future__ import annotations
 
-import base64
-import functools
-import importlib.metadata
-import io
-import json
-import os
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import xarray as xr
-import xxhash
-from pydantic import BaseModel
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
 
 from gridsolve.stages.engine import storage
-from gridsolve.stages.engine.provenance import MARK_KEY, MARK_VALUE, STAMP_KEY, png_text
 from gridsolve.stages.write.layout import DESIGN_VARIABLE
 
 MAX_SIDE = 300
@@ -48,50 +27,7 @@ MAX_SIDE = 300
 ROBUST_PERCENTILES = (2.0, 98.0)
 DIVERGING_CMAP = "RdBu_r"
 SEQUENTIAL_CMAP = "viridis"
-_PANEL_WIDTH_IN = 4.8
 _TITLE_CHARS = 52  # characters per title line (fits a panel at the title's font size)
-_CAPTION_CHARS_PER_IN = 15.5  # characters per inch of caption at its font size
-
-
-@dataclass(frozen=True)
-class Caption:
-    """What the caller knows about the run and the output file does not say.
-
-    ``run``: the flow run's name; ``deployment``: the deployment's name (None
-    for a CLI or local run); ``config``: the config keys that were set, as
-    :func:`config_summary` writes them.
-    """
-
-    run: str | None = None
-    deployment: str | None = None
-    config: str = ""
-
-
-def _short(value: Any, width: int) -> str:
-    """``value`` as a short text: a long one keeps its end (a path's file name) after '…'."""
-    text = value if isinstance(value, str) else json.dumps(value, default=str, sort_keys=True)
-    return text if len(text) <= width else "…" + text[-(width - 1) :]
-
-
-def config_summary(cfg: BaseModel, width: int = 420, value_width: int = 28) -> str:
-    """The keys of ``cfg``'s sections that were set, e.g. ``solve.impl=lstsq, solve.policy=…``.
-
-    A section with a key set also shows its ``impl``; values longer than
-    ``value_width`` keep their end, and the whole is cut to ``width`` characters.
-    """
-    items: list[str] = []
-    for name in type(cfg).model_fields:
-        section = getattr(cfg, name)
-        if not isinstance(section, BaseModel):
-            if name in cfg.model_fields_set:
-                items.append(f"{name}={_short(section, value_width)}")
-            continue
-        keys = [k for k in type(section).model_fields if k in section.model_fields_set]
-        if keys and "impl" in type(section).model_fields and "impl" not in keys:
-            keys.insert(0, "impl")
-        items += [f"{name}.{k}={_short(getattr(section, k), value_width)}" for k in keys]
-    text = ", ".join(items)
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def open_output(output: str | Path, options: Mapping[str, Any] | None = None) -> xr.Dataset:
@@ -437,221 +373,3 @@ def _panels(full: xr.Dataset) -> tuple[list[Panel], Axis, Axis]:
             )
         )
     return panels, xaxis, yaxis
-
-
-def _output_name(output: str | Path) -> str:
-    return str(output).rstrip("/").rsplit("/", 1)[-1]
-
-
-def caption_text(
-    output: str | Path, caption: Caption | None, status: str, width_chars: int = 120
-) -> str:
-    """The figure's caption: run, deployment, output, config keys set, status counts."""
-    lines = []
-    if caption is not None:
-        run = f"run {caption.run}" if caption.run else "unnamed run"
-        deployment = f"deployment {caption.deployment}" if caption.deployment else "no deployment"
-        lines.append(f"{run} · {deployment} · output {_output_name(output)}")
-        if caption.config:
-            lines.append(f"config: {caption.config}")
-    else:
-        lines.append(f"output {_output_name(output)}")
-    if status:
-        lines.append(status)
-    return "\n".join(
-        w for line in lines for w in textwrap.wrap(line, width_chars, break_on_hyphens=False)
-    )
-
-
-def quicklook_figure(
-    output: str | Path, options: Mapping[str, Any] | None = None, caption: Caption | None = None
-) -> Figure:
-    """The quick-look maps of ``output`` as a matplotlib Figure (not registered with pyplot).
-
-    Panels: ``coefficients[0]``; ``residual_rms`` (or what replaces it, see
-    :func:`_residual_panel`); where the output has a trend with p-values, the
-    trend where it is significant (p < 0.05), grey elsewhere. Each is drawn on
-    the map dims' coordinates with a robust colour scale (:func:`colour_scale`).
-    The caption (``fig.texts``) names the run from ``caption`` and the status
-    counts of the whole file.
-    """
-    with open_output(output, options) as full:
-        panels, xaxis, yaxis = _panels(full)
-        status = status_text(full)
-    n = len(panels)
-    width = _PANEL_WIDTH_IN * n
-    text = caption_text(output, caption, status, int(width * _CAPTION_CHARS_PER_IN))
-    caption_h = ((text.count("\n") + 1) * 1.25 * 8 + 10) / 72  # inches, 8 pt lines
-    title_h = max(len(p.title) for p in panels) * 1.25 * 8.5 / 72
-    height = 3.4 + title_h + caption_h
-    bottom = caption_h / height  # the caption's strip, below the maps
-    import matplotlib  # here: importing it costs a second, and a reused picture needs none
-    from matplotlib.figure import Figure
-    from matplotlib.layout_engine import ConstrainedLayoutEngine
-
-    layout = ConstrainedLayoutEngine(rect=(0, bottom, 1, 1 - bottom))
-    fig = Figure(figsize=(width, height), dpi=90, layout=layout)
-    axes = fig.subplots(1, n, squeeze=False)[0]
-    xe, ye = _edges(xaxis.values), _edges(yaxis.values)
-    for ax, panel in zip(axes, panels, strict=True):
-        scale = colour_scale(panel.data)
-        cmap = matplotlib.colormaps[scale.cmap].with_extremes(bad="0.85")
-        mesh = ax.pcolormesh(
-            xe, ye, panel.data, cmap=cmap, vmin=scale.vmin, vmax=scale.vmax, shading="flat"
-        )
-        said = " ".join(" ".join(panel.title).split())  # the title without its line breaks
-        lines = panel.title + ([scale.note] if scale.note and scale.note not in said else [])
-        ax.set_title("\n".join(lines), fontsize=8.5)
-        ax.set_xlabel(xaxis.label, fontsize=8.5)
-        ax.set_ylabel(yaxis.label, fontsize=8.5)
-        ax.tick_params(labelsize=7.5)
-        if scale.note:
-            ax.text(0.5, 0.5, scale.note, transform=ax.transAxes, ha="center", va="center")
-        bar = fig.colorbar(mesh, ax=ax, shrink=0.85, extend=scale.extend)
-        bar.ax.tick_params(labelsize=7.5)
-    fig.text(0.005, 0.005, text, ha="left", va="bottom", fontsize=8)
-    return fig
-
-
-def _png(fig: Figure, stamp: str | None = None) -> bytes:
-    """The figure as PNG bytes, marked as gridsolve's (and stamped with the output it shows)."""
-    buf = io.BytesIO()
-    meta = {MARK_KEY: MARK_VALUE} | ({STAMP_KEY: stamp} if stamp else {})
-    fig.savefig(buf, format="png", metadata=meta)
-    return buf.getvalue()
-
-
-def quicklook_png(
-    output: str | Path, options: Mapping[str, Any] | None = None, caption: Caption | None = None
-) -> bytes:
-    """PNG bytes of :func:`quicklook_figure`."""
-    return _png(quicklook_figure(output, options, caption))
-
-
-def loss_curve_png(output: str | Path, options: Mapping[str, Any] | None = None) -> bytes | None:
-    """PNG bytes of the training and validation loss per epoch, or None without training."""
-    with open_output(output, options) as ds:
-        if "train_loss" not in ds:
-            return None
-        epoch = ds["epoch"].values
-        train = ds["train_loss"].values
-        val = ds["val_loss"].values
-        best = ds.attrs.get("gridsolve_train_best_epoch")
-        written = ds.attrs.get("gridsolve_train_weights_epoch")
-    from matplotlib.figure import Figure  # not pyplot: no backend switch, nothing global
-    from matplotlib.ticker import MaxNLocator
-
-    fig = Figure(figsize=(5, 3.4), dpi=80, layout="constrained")
-    ax = fig.subplots()
-    ax.plot(epoch, train, marker="o", label="training")
-    if np.isfinite(val).any():
-        ax.plot(epoch, val, marker="s", label="validation")
-    if best is not None:
-        ax.axvline(int(best), color="0.6", linestyle=":", label=f"best validation: epoch {best}")
-    if written is not None and int(written) in epoch:
-        at = int(np.flatnonzero(epoch == int(written))[0])
-        ax.plot(
-            [written] * 2,
-            [train[at], val[at]],
-            marker="o",
-            markersize=11,
-            markerfacecolor="none",
-            markeredgecolor="k",
-            linestyle="none",
-            label=f"written weights: epoch {written}",
-        )
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("mean squared error")
-    ax.set_yscale("log" if np.nanmin(train) > 0 else "linear")
-    ax.set_title("training loss")
-    ax.legend()
-    return _png(fig)
-
-
-def _beside(output: str | Path, suffix: str) -> Path | str:
-    """Where the picture ``suffix`` of ``output`` goes: ``<output>.<suffix>.png``."""
-    name = f"{output}.{suffix}.png"
-    local = storage.at(name).local
-    return name if local is None else local
-
-
-def _write_beside(
-    output: str | Path, suffix: str, png: bytes, options: Mapping[str, Any] | None = None
-) -> Path | str:
-    path = _beside(output, suffix)
-    storage.at(path, options).write_bytes(png)  # whole or absent
-    return path
-
-
-def drawn_from(output: str | Path, caption: Caption | None) -> str | None:
-    """What identifies the picture of a local ``output`` (None for a URL or a missing file).
-
-    The file's identity (path, size, mtime, inode) and the caption's deployment
-    and config, not its run name.
-    """
-    if storage.at(output).local is None:
-        return None
-    try:
-        st = os.stat(output)
-    except OSError:
-        return None
-    said = (caption.deployment, caption.config) if caption is not None else None
-    return json.dumps([str(output), st.st_size, st.st_mtime_ns, st.st_ino, said, _drawing()])
-
-
-@functools.cache
-def _drawing() -> str:
-    """What draws the picture: this module's source and matplotlib's version."""
-    source = xxhash.xxh3_64_hexdigest(Path(__file__).read_bytes())
-    return f"{source}/matplotlib {importlib.metadata.version('matplotlib')}"
-
-
-def write_quicklook(
-    output: str | Path, options: Mapping[str, Any] | None = None, caption: Caption | None = None
-) -> tuple[Path | str, bytes, bool]:
-    """Write ``<output>.quicklook.png`` beside the output (atomically); path, bytes, reused.
-
-    A picture already beside the output and drawn from this very file (see
-    :func:`drawn_from`) is returned as it is (``reused``), not drawn again.
-    """
-    stamp = drawn_from(output, caption)
-    if stamp is not None:
-        existing = Path(_beside(output, "quicklook"))  # a local file: stamps are local only
-        try:
-            png = existing.read_bytes()
-        except OSError:
-            png = b""
-        if png and png_text(png).get(STAMP_KEY) == stamp:
-            return existing, png, True
-    png = _png(quicklook_figure(output, options, caption), stamp)
-    return _write_beside(output, "quicklook", png, options), png, False
-
-
-def write_loss_curve(
-    output: str | Path, options: Mapping[str, Any] | None = None
-) -> tuple[Path | str, bytes] | None:
-    """Write ``<output>.loss.png`` beside the output when it holds a training's losses."""
-    png = loss_curve_png(output, options)
-    return None if png is None else (_write_beside(output, "loss", png, options), png)
-
-
-def markdown(
-    png: bytes,
-    path: Path | str,
-    output: str | Path,
-    title: str = "quick look",
-    reused: bool = False,
-) -> str:
-    """Markdown showing the picture inline, with where the file and the picture are."""
-    data = base64.b64encode(png).decode("ascii")
-    note = (
-        "  \nThe output file is unchanged since this picture was drawn "
-        "(by the run named in its caption)."
-        if reused
-        else ""
-    )
-    return (
-        f"### gridsolve {title}\n\n![{title}](data:image/png;base64,{data})\n\n"
-        f"Output: `{output}`  \nPicture: `{path}`{note}\n"
-    )
