@@ -27,7 +27,6 @@ from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import State
 from prefect.context import TaskRunContext
 from prefect.futures import PrefectFuture, as_completed
-from prefect.runtime import deployment as rt_deployment
 from prefect.runtime import flow_run as rt_flow_run
 from pydantic import BaseModel, ConfigDict
 
@@ -35,6 +34,7 @@ from gridsolve.flows.automations import FLOW_NAME, SCHEDULED_TAG
 from gridsolve.flows.failures import install as install_failure_logging
 from gridsolve.flows.failures import noting_user_errors
 from gridsolve.flows.reporting import RunSummary, StageSummary, publish, summary_row, was_hit
+from gridsolve.flows.runtime import deployment_id, deployment_name
 from gridsolve.schemas import templating
 from gridsolve.schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
 from gridsolve.schemas.base import StageConfig
@@ -242,7 +242,7 @@ def template_values() -> dict[str, str]:
         scheduled=scheduled if isinstance(scheduled, datetime) else None,
         flow_run_name=rt_flow_run.name,
         flow_run_id=str(rt_flow_run.id) if rt_flow_run.id else None,
-        deployment=rt_deployment.name,
+        deployment=deployment_name(),
     )
 
 
@@ -522,7 +522,7 @@ def in_deployment_home(cfg: PipelineConfig) -> PipelineConfig:
     A CLI config's paths were resolved against its folder already; a run
     outside a deployment keeps its working directory.
     """
-    if rt_deployment.id is None:
+    if deployment_id() is None:
         return cfg
     home = deployment_home()
     home.mkdir(parents=True, exist_ok=True)
@@ -554,7 +554,7 @@ def refuse_demo_on_schedule(cfg: PipelineConfig) -> None:
     tags = set(rt_flow_run.tags or ())
     if SCHEDULED_TAG not in tags:
         return
-    name = rt_deployment.name or "this deployment"
+    name = deployment_name() or "this deployment"
     raise ConfigError(
         f"the {name} deployment's load section is still the demo cube: load.path is not set",
         stage=f"load/{cfg.load.impl}",
@@ -570,7 +570,7 @@ def check_reads_allowed(cfg: PipelineConfig) -> None:
     ``GRIDSOLVE_ALLOWED_INPUTS`` and ``GRIDSOLVE_ALLOWED_MODULES`` (unset: no
     restriction); globs are expanded first, so every file they match is checked.
     """
-    from gridsolve.stages.load.files import expand, is_glob
+    from gridsolve.stages.load.where import expand, is_glob
 
     for kind, conf in cfg.stage_configs().items():
         label = f"{kind}/{conf.impl}"
@@ -693,7 +693,7 @@ def pipeline(
         summary = run_pipeline(cfg)
     reads = run_reads(render_paths(cfg, template_values()), _CONFIG_FILE.get())
     # keep_last deletes only outputs this deployment (or local runs) made from this template
-    owner = rt_deployment.name or "local"
+    owner = deployment_name() or "local"
     apply_keep_last(cfg.write, summary.output, started_ns, logger, reads, owner)
     return summary
 

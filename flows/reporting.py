@@ -14,10 +14,10 @@ from typing import Any
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.client.schemas.objects import State
 from prefect.logging import get_run_logger
-from prefect.runtime import deployment as rt_deployment
 from prefect.runtime import flow_run as rt_flow_run
 from pydantic import BaseModel, ConfigDict
 
+from gridsolve.flows.runtime import deployment_name
 from gridsolve.report.pictures import Caption, config_summary, write_loss_curve, write_quicklook
 from gridsolve.report.pictures import markdown as quicklook_markdown
 from gridsolve.schemas.artifacts import StageRun
@@ -145,7 +145,7 @@ def publish(
     try:
         caption = Caption(
             run=rt_flow_run.name or None,
-            deployment=rt_deployment.name or None,  # None for a CLI or local run
+            deployment=deployment_name(),  # None for a CLI or local run
             config=config_summary(cfg) if cfg is not None else "",
         )
         picture, png, reused = write_quicklook(summary.output, options, caption)
@@ -154,7 +154,9 @@ def publish(
             key="gridsolve-quicklook",
             description="first coefficient and residual RMS maps",
         )
-        curve = write_loss_curve(summary.output, options)
+        # only a run that trained has a loss (opening the output to find out costs 0.2 s)
+        trained = any(r.stage == "train" and r.impl != "none" for r in summary.stages)
+        curve = write_loss_curve(summary.output, options) if trained else None
         if curve is not None:
             create_markdown_artifact(
                 markdown=quicklook_markdown(curve[1], curve[0], summary.output, "training loss"),

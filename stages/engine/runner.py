@@ -46,8 +46,8 @@ def _name(decl: StageDecl) -> str:
 def code_roots(decl: StageDecl) -> set[str]:
     """The modules whose code (with what they import) a stage implementation's key covers.
 
-    The modules defining its functions and config, and the runner; for a writer,
-    also those describing its inputs' outputs.
+    The modules defining its functions (tile reads included) and config, and the
+    runner; for a writer, also those describing its inputs' outputs.
     """
     # A writer's: how the kinds it reads describe their results in the output file (the
     # file depends on it; their arrays, hence their own keys, do not).
@@ -59,6 +59,7 @@ def code_roots(decl: StageDecl) -> set[str]:
         decl.fingerprint,
         decl.verify,
         decl.locate,
+        decl.read_block,
         decl.config,
         decl.variables,
         *(c.variables for c in described),

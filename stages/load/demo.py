@@ -8,12 +8,14 @@ same bytes, so the demo's cache keys are stable across machines.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
-import xarray as xr
 
 from gridsolve.stages.engine.paths import atomic_file
+
+if TYPE_CHECKING:  # imported to make the cube: finding its path needs neither
+    import xarray as xr
 
 SIZES: dict[str, tuple[int, int, int]] = {
     "small": (50, 64, 64),
@@ -37,6 +39,9 @@ def make_cube(
     amplitude) with a little noise: what the training example teaches the
     model to predict from the fitted coefficients.
     """
+    import pandas as pd
+    import xarray as xr
+
     rng = np.random.default_rng(seed)
     time = pd.date_range("2020-01-01", periods=n_obs, freq="7D")
     t = np.linspace(-1.0, 1.0, n_obs, dtype=np.float64)

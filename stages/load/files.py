@@ -32,56 +32,10 @@ from gridsolve.schemas.errors import ContractError, InputError
 from gridsolve.stages.engine import remote, storage
 from gridsolve.stages.engine.hashing import canonical_json, file_identity, hash_file, hash_text
 from gridsolve.stages.engine.paths import atomic_file
-from gridsolve.stages.engine.provenance import ZARR_MARKERS
+from gridsolve.stages.load.scanmemo import RACY_NS
+from gridsolve.stages.load.where import relative_paths
 
 STAGE = "load"
-_MAGIC = set("*?[")
-
-
-def relative_paths() -> str:
-    """Where relative paths were resolved, for messages (CLI configs and deployments differ)."""
-    from gridsolve.schemas.reading import HOME_ENV, deployment_home
-
-    return (
-        "relative paths in a config file are resolved against its folder; in a deployment's "
-        f"parameters against {HOME_ENV}, here {deployment_home()}"
-    )
-
-
-def is_glob(path: str) -> bool:
-    """Whether ``path`` holds glob characters."""
-    return any(c in _MAGIC for c in path)
-
-
-def is_zarr(path: str, options: Mapping[str, Any] | None = None) -> bool:
-    """Whether ``path`` is a Zarr store (a folder, or a URL prefix, with Zarr metadata)."""
-    return storage.at(path, options).holds_any(ZARR_MARKERS, ("input", InputError, STAGE))
-
-
-def expand(path: str | Sequence[str], options: Mapping[str, Any] | None = None) -> list[str]:
-    """The absolute paths (or URLs) ``load.path`` names, globs expanded (sorted), no repeats.
-
-    InputError if a glob matches nothing or the list is empty.
-    """
-    items = [path] if isinstance(path, str) else list(path)
-    if not items:
-        raise InputError("load.path is an empty list", stage=STAGE, fix="list at least one file")
-    out: list[str] = []
-    for item in items:
-        where = storage.at(storage.at(item).absolute(), options)
-        item = where.text
-        if where.is_pattern():  # a folder may be "exp[2]"
-            matches = where.glob(("input", InputError, STAGE))
-            if not matches:
-                raise InputError(
-                    f"load.path {item!r} matches no {where.noun}",
-                    stage=STAGE,
-                    fix=where.glob_fix(relative_paths()),
-                )
-            out += matches
-        else:
-            out.append(item)
-    return list(dict.fromkeys(out))
 
 
 def store_files(store: str, options: Mapping[str, Any] | None = None) -> list[str]:
@@ -91,9 +45,6 @@ def store_files(store: str, options: Mapping[str, Any] | None = None) -> list[st
 
 # ---------------------------------------------------------------- digests
 _DIGEST_LOCK = threading.Lock()
-#: A file's digest is remembered only once it has been unchanged this long (2 s: FAT's
-#: timestamp resolution; ext4, XFS and NFSv4 keep nanoseconds).
-RACY_NS = 2_000_000_000
 
 
 def _digest_file(path: str, cache: Path | None) -> tuple[dict[str, int], str]:

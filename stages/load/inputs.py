@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,25 +29,16 @@ from gridsolve.stages.load.cube import _cube, _cube_name
 from gridsolve.stages.load.dims import cf_roles, infer_dims
 from gridsolve.stages.load.opening import local, open_netcdf
 from gridsolve.stages.load.source import Source, resolve_selection
-
-
-def _single(config: NetCDFLoad) -> str | None:
-    """The one NetCDF file ``load.path`` names, or None for a file set or a Zarr store."""
-    if isinstance(config.path, str) and not filesets.is_glob(config.path):
-        if storage.at(config.path).local is None:
-            return None  # objects are keyed by their ETags, as a set of one
-        path = os.path.abspath(os.path.expanduser(config.path))
-        return None if filesets.is_zarr(path) else path
-    return None
+from gridsolve.stages.load.where import expand, is_zarr, single_file
 
 
 def _members(config: NetCDFLoad) -> tuple[list[str], str | None]:
     """The files a file set or Zarr store consists of, and the store (None for a file set)."""
     opts = config.storage_options
-    found = filesets.expand(config.path, opts)
-    if len(found) == 1 and filesets.is_zarr(found[0], opts):
+    found = expand(config.path, opts)
+    if len(found) == 1 and is_zarr(found[0], opts):
         return filesets.store_files(found[0], opts), found[0]
-    stores = [f for f in found if filesets.is_zarr(f, opts)]
+    stores = [f for f in found if is_zarr(f, opts)]
     if stores:
         raise ContractError(
             f"load.path names {len(stores)} Zarr store(s) ({stores[0]}, …) and "
@@ -151,7 +141,7 @@ def check_opens(config: NetCDFLoad) -> None:
     identified. Reads metadata and coordinates, not the cube's values.
     """
     options = canonical_json(config.storage_options) if config.storage_options else ""
-    single = _single(config)
+    single = single_file(config)
     if single is not None:
         base = Source(single)
     else:

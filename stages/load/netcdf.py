@@ -17,48 +17,61 @@ This module is the stage itself (its functions and registration); the parts
 live beside it by concern: :mod:`.opening`, :mod:`.source` (selection),
 :mod:`.timeaxis` (CF time), :mod:`.masking` (CF valid ranges), :mod:`.dims`,
 :mod:`.cube`, :mod:`.coords`, :mod:`.content` (hashing, value checks),
-:mod:`.scan`, :mod:`.blocks` (tile reads, change detection) and
-:mod:`.inputs` (file sets and stores).
+:mod:`.scan`, :mod:`.blocks` (tile reads, change detection),
+:mod:`.inputs` (file sets and stores), :mod:`.where` (what ``load.path``
+names) and :mod:`.reading` (the stage's work, imported on its first miss).
+A rerun whose every stage hits finds the key without opening the input
+(:mod:`.scanmemo`) and imports no xarray.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from gridsolve.schemas.kinds.load import DemoLoad, NetCDFLoad
 from gridsolve.schemas.metadata import LoadMeta
 from gridsolve.stages.engine.context import StageContext
-from gridsolve.stages.engine.registry import StageDecl, register
-from gridsolve.stages.engine.store import Artifact, StageOutput
-from gridsolve.stages.load.blocks import read_block
-from gridsolve.stages.load.demo import demo_file
-from gridsolve.stages.load.inputs import _base, _set_facts, _single
-from gridsolve.stages.load.scan import scan_netcdf, scan_source
+from gridsolve.stages.engine.hashing import canonical_json
+from gridsolve.stages.engine.registry import Lazy, StageDecl, decl_for, register
+from gridsolve.stages.load import scanmemo
+from gridsolve.stages.load.where import netcdf_config
 
 VERSION = "1"
+
+#: The stage's work, imported on its first miss (``reading`` imports xarray).
+run = Lazy("gridsolve.stages.load.reading:run")
+read_block = Lazy("gridsolve.stages.load.blocks:read_block")
 
 
 def fingerprint(config: NetCDFLoad | DemoLoad, ctx: StageContext) -> dict[str, str]:
     """Content digest of the input: the selected variables of one file, or every file's bytes."""
-    path, nc = _netcdf_config(config, ctx)
+    path, nc = netcdf_config(config, ctx)
     if path is not None:
-        return {"content": scan_netcdf(nc, path).digest}
-    return {"content": _set_facts(nc, ctx)[1]}
+        return {"content": _file_digest(config, nc, path, ctx)[1]}
+    from gridsolve.stages.load.reading import set_digest
+
+    return {"content": set_digest(nc, ctx)}
 
 
-def run(
-    config: NetCDFLoad | DemoLoad, inputs: Mapping[str, Artifact], ctx: StageContext
-) -> StageOutput:
-    """Checked description of the input plus its coords, design and shared weights."""
-    path, nc = _netcdf_config(config, ctx)
-    if path is not None:
-        return scan_netcdf(nc, path).output
-    per, digest, store = _set_facts(nc, ctx)
-    out = scan_source(nc, _base(nc, per, store), per).output
-    # The key covers the files' bytes: the guard compares this run's with them.
-    return StageOutput(arrays=out.arrays, meta={**out.meta, "content_hash": digest})
+def _file_digest(
+    config: NetCDFLoad | DemoLoad, nc: NetCDFLoad, path: str, ctx: StageContext
+) -> tuple[dict[str, int], str]:
+    """(identity, content digest) of one input file: remembered while unchanged, else scanned."""
+    from gridsolve.stages.engine.runner import code_version
+    from gridsolve.stages.engine.versions import package_versions
+
+    folder = Path(ctx.store.root) / "scan-digests"
+    versions = canonical_json([code_version(decl_for(config)), package_versions()])
+    got = scanmemo.remembered(folder, nc, path, versions)
+    if got is not None:
+        return got
+    from gridsolve.stages.load.reading import scan_file
+
+    scan = scan_file(nc, path)  # memoised in this process: run() reuses it
+    scanmemo.remember(folder, nc, path, versions, scan.identity, scan.digest)
+    return scan.identity, scan.digest
 
 
 def locate(config: NetCDFLoad | DemoLoad, ctx: StageContext) -> dict[str, Any]:
@@ -67,34 +80,13 @@ def locate(config: NetCDFLoad | DemoLoad, ctx: StageContext) -> dict[str, Any]:
     Per-run facts (the runner attaches them to the ref): never part of the key
     or of the stored artifact, which are by content.
     """
-    path, nc = _netcdf_config(config, ctx)
+    path, nc = netcdf_config(config, ctx)
     if path is not None:
-        scan = scan_netcdf(nc, path)  # memoised: the fingerprint scanned this file state
-        return {
-            "path": path,
-            "file": scan.identity,
-            "content": scan.digest,
-            "config": nc.key_payload(),
-        }
-    per, digest, store = _set_facts(nc, ctx)
-    base = _base(nc, per, store)
-    return {
-        "path": base.path,
-        "source": base.describe(),
-        "files": {f: per[f] for f in (base.files or per)},
-        "content": digest,
-        "config": nc.key_payload(),
-    }
+        identity, digest = _file_digest(config, nc, path, ctx)  # as the fingerprint found it
+        return {"path": path, "file": identity, "content": digest, "config": nc.key_payload()}
+    from gridsolve.stages.load.reading import set_location
 
-
-def _netcdf_config(
-    config: NetCDFLoad | DemoLoad, ctx: StageContext
-) -> tuple[str | None, NetCDFLoad]:
-    """The one file to read (None: a file set or store) and the config to read it with."""
-    if isinstance(config, DemoLoad):
-        path = demo_file(ctx.store.root, config.size, config.seed, config.nan_fraction)
-        return os.path.abspath(path), NetCDFLoad(path=str(path), variable="signal")
-    return _single(config), config
+    return set_location(nc, ctx)
 
 
 def grid(meta: Mapping[str, Any]) -> tuple[int, int, int]:

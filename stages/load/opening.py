@@ -16,9 +16,9 @@ from xarray import SerializationWarning
 
 from gridsolve.schemas.errors import InputError
 from gridsolve.stages.engine import storage
-from gridsolve.stages.load import files as filesets
 from gridsolve.stages.load.base import _OPEN_LOCK, STAGE, say_once
 from gridsolve.stages.load.timeaxis import _undecodable_times
+from gridsolve.stages.load.where import relative_paths
 
 _MAGIC = (b"CDF\x01", b"CDF\x02", b"CDF\x05", b"\x89HDF\r\n\x1a\n")
 
@@ -36,7 +36,7 @@ def open_netcdf(
             f"input file not found: {p.absolute()}",
             stage=stage,
             found=None if p.is_absolute() else f"load.path {str(path)!r}",
-            fix=f"check load.path ({filesets.relative_paths()})",
+            fix=f"check load.path ({relative_paths()})",
         )
     if not p.is_file():
         raise InputError(

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import xarray as xr
 
 from gridsolve.schemas.metadata import LoadMeta, TrainMeta
 from gridsolve.stages.engine.outputs import Extension
 from gridsolve.stages.engine.paths import WEIGHTS_SUFFIX, atomic_file
 from gridsolve.stages.engine.provenance import MARK_KEY, MARK_VALUE
 from gridsolve.stages.engine.store import Artifact
+
+if TYPE_CHECKING:  # a run whose every stage hits imports no xarray
+    import xarray as xr
 
 
 def extends(train: Artifact, load: Artifact) -> Extension:

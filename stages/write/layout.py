@@ -14,10 +14,9 @@ import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xarray as xr
 
 from gridsolve.schemas.errors import ContractError
 from gridsolve.schemas.kinds.write import NetCDFWrite, ZarrWrite
@@ -37,6 +36,9 @@ from gridsolve.stages.engine.outputs import (
 from gridsolve.stages.engine.registry import SOURCE
 from gridsolve.stages.engine.store import Artifact, TiledArtifact
 from gridsolve.stages.engine.versions import package_versions
+
+if TYPE_CHECKING:  # imported to build the output: a run whose write hits needs none
+    import xarray as xr
 
 DEFAULT_CHUNK_Y = 128
 
@@ -164,6 +166,8 @@ def _design_attrs(design: Artifact) -> dict[str, Any]:
 
 def skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.Dataset:
     """Coordinates, bounds, coef labels and the design matrix, encoded as CF wants them."""
+    import xarray as xr
+
     meta = LoadMeta.of(load)
     obs_dim, y, x = meta.obs_dim, meta.y_dim, meta.x_dim
     cf = meta.coord_cf

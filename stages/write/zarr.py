@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import xarray as xr
 
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
 from gridsolve.schemas.kinds.write import ZarrWrite
@@ -34,6 +33,7 @@ from gridsolve.stages.engine.paths import BESIDE_SUFFIXES, atomic_folder, sweep_
 from gridsolve.stages.engine.registry import StageDecl, register
 
 if TYPE_CHECKING:
+    import xarray as xr
     import zarr
 
 # zarr and dask are imported where a store is written, not here: every run imports

@@ -35,21 +35,25 @@ def gridsolve(
 
 
 #: `gridsolve ARGS` in this interpreter's main(), its own output swallowed; then its exit
-#: code and which of torch and Prefect it imported.
+#: code and which of the modules named in PROBED it imported.
 IMPORT_PROBE = (
-    "import sys, io, contextlib\n"
+    "import os, sys, io, contextlib\n"
     "from gridsolve.flows.cli import main\n"
     "with contextlib.redirect_stdout(io.StringIO()):\n"
     "    rc = main(sys.argv[1:])\n"
-    "heavy = sorted(m for m in ('h5py', 'torch', 'prefect') if m in sys.modules)\n"
+    "heavy = sorted(m for m in os.environ['PROBED'].split(',') if m in sys.modules)\n"
     "print(rc, ','.join(heavy) or '-')\n"
 )
 
 
-def cli_imports(*args: str) -> str:
-    """``"<exit code> <heavy modules imported, or ->"`` of `gridsolve ARGS` in a fresh process."""
+def cli_imports(*args: str, probed: tuple[str, ...] = ("h5py", "torch", "prefect")) -> str:
+    """``"<exit code> <probed modules imported, or ->"`` of `gridsolve ARGS` in a fresh process."""
     res = subprocess.run(
-        [sys.executable, "-c", IMPORT_PROBE, *args], capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", IMPORT_PROBE, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PROBED": ",".join(probed)},
     )
     lines = res.stdout.strip().splitlines()
     assert lines, res.stderr[-3000:]
@@ -174,11 +178,15 @@ def test_demo_then_rerun_hits_the_cache(tmp_path: Path) -> None:
         and line.split()[0] in ("load", "design", "normal_equations", "solve", "model", "write")
     ]
     assert len(rows) == 6 and all(r[3] == "hit" for r in rows), again.stdout
-    # A rerun whose every stage is a hit imports no torch (the stages' code loads lazily)
-    # nor h5py (imported to write), and leaves the quick look as it was drawn.
+    # A rerun whose every stage is a hit imports no torch (the stages' code loads lazily),
+    # no h5py (imported to write), no xarray or pandas (the input's digest is remembered
+    # while the file is unchanged: stages/load/scanmemo.py), no matplotlib (the quick look
+    # is left as it was drawn), no dask or scipy.
     picture = Path(f"{out}.quicklook.png")
     drawn = picture.stat().st_mtime_ns
-    assert cli_imports("run", str(tmp_path / "demo" / "gridsolve.yaml")) == "0 prefect"
+    heavy = ("h5py", "torch", "prefect", "xarray", "pandas", "matplotlib", "dask", "scipy")
+    rerun = cli_imports("run", str(tmp_path / "demo" / "gridsolve.yaml"), probed=heavy)
+    assert rerun == "0 prefect"
     assert picture.stat().st_mtime_ns == drawn
 
 

@@ -33,10 +33,10 @@ from gridsolve.stages.engine.registry import SOURCE
 from gridsolve.stages.engine.runner import run_stage
 from gridsolve.stages.engine.store import Store
 from gridsolve.stages.load import blocks, inputs, scan
-from gridsolve.stages.load import files as filesets
 from gridsolve.stages.load.blocks import read_block
 from gridsolve.stages.load.inputs import check_opens
 from gridsolve.stages.load.netcdf import fingerprint, locate, run
+from gridsolve.stages.load.where import expand, is_zarr
 
 from testkit import run_plan
 
@@ -217,7 +217,7 @@ def test_shuffled_list_is_a_cache_hit_with_the_same_output(
 def test_zarr_store_equals_netcdf(ctx: Any, tmp_path: Path, single: xr.Dataset) -> None:
     store = tmp_path / "cube.zarr"
     cube().to_zarr(store)
-    assert filesets.is_zarr(str(store))
+    assert is_zarr(str(store))
     out = pipeline(ctx, tmp_path, str(store), "zarr.nc")
     assert_same_output(out, single)
     check_against_lstsq(out, cube()["sig"])
@@ -445,7 +445,7 @@ def test_empty_list(tmp_path: Path) -> None:
     assert "load.path: Value should have at least 1 item" in _message(err)
     # and the expansion itself, for a config built some other way
     with pytest.raises(InputError, match=r"load\.path is an empty list"):
-        filesets.expand([])
+        expand([])
     assert not (tmp_path / "out.nc").exists()
 
 
@@ -685,7 +685,7 @@ def test_a_folder_named_like_a_glob_is_a_folder(ctx: Any, tmp_path: Path) -> Non
     folder.mkdir()
     path = folder / "cube.nc"
     cube().to_netcdf(path)
-    assert filesets.expand(str(path)) == [str(path)]
+    assert expand(str(path)) == [str(path)]
 
 
 def test_files_without_an_obs_coordinate_are_named(ctx: Any, tmp_path: Path) -> None:
