@@ -6,7 +6,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +77,15 @@ def table(rows: list[tuple[str, float, str]], reference: float, ref_name: str) -
     return "\n".join(out)
 
 
-def print_verdicts(verdicts: list[tuple[str, float, float, str]]) -> None:
-    """One line per (name, ratio, bound, "≤" or "≥"), in the format benchmarks/run.py reads."""
-    for name, value, target, op_ in verdicts:
+def print_verdicts(verdicts: Sequence[tuple[Any, ...]]) -> None:
+    """One line per (name, value, bound, "≤" or "≥"[, unit]), in the format benchmarks/run.py reads.
+
+    The unit is "×" (a ratio) unless given, e.g. " s" for a wall time.
+    """
+    for name, value, target, op_, *rest in verdicts:
+        unit = rest[0] if rest else "×"
         met = value <= target if op_ == "≤" else value >= target
-        print(f"{name} = {value:.2f}× (target {op_} {target:g}×: {'met' if met else 'NOT met'})")
+        print(
+            f"{name} = {value:.2f}{unit} (target {op_} {target:g}{unit}: "
+            f"{'met' if met else 'NOT met'})"
+        )
