@@ -5,7 +5,10 @@ an input, an output, the cache root — is turned into a :class:`Location` by
 :func:`at`, and the caller asks the location to do things: make itself
 absolute, compare itself with another (same place, inside, matched by a
 glob), list a glob, exist, give a local file to read, describe and check the
-identity of what it holds, store a few bytes atomically, hold the cache. Only
+identity of what it holds, store a few bytes atomically, hold the cache, and
+take an output: check it may be (re)placed, stage it, publish it whole
+(:meth:`Location.staged_file`, :meth:`Location.staged_store`; the work is in
+:mod:`~gridsolve.stages.engine.staging`). Only
 this module asks whether a path is a URL (a test counts the calls): the
 answer picks :class:`LocalPath` or :class:`ObjectPath` once, and from then on
 the operations differ by class, not by ``if``.
@@ -22,11 +25,13 @@ this layer's driver for them). The cache store
 a local folder is its own shared copy; an object location is shared through
 this host's folder (:meth:`Location.shared`).
 
-What is genuinely different between a disk and a bucket (an atomic rename
-against manifest-last publication, hard links, a foreign file's attributes)
-is reached through :attr:`Location.local`: the local file system path, or
-None where there is none. The one place outside this layer that still tests
-whether a string is a URL is the config edge,
+What is genuinely different between a disk and a bucket is behind these
+operations: an atomic rename against an upload copied into place, a Zarr store
+renamed into place against one written in place with its consolidated
+metadata last. The few callers that still read :attr:`Location.local` (the
+local file system path, or None where there is none) are listed, with why, in
+``tests/stages/test_storage_layer.py``. The one place outside this layer that
+still tests whether a string is a URL is the config edge,
 :func:`gridsolve.schemas.base.check_url`, which refuses unsupported schemes
 while a config is validated (schemas import nothing of the stages).
 """
@@ -37,15 +42,17 @@ import fnmatch
 import glob as _glob
 import os
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 from gridsolve.schemas.base import is_url as _is_url
 from gridsolve.schemas.errors import GridsolveError
-from gridsolve.stages.engine import remote
-from gridsolve.stages.engine.hashing import file_digest, hash_text
+from gridsolve.stages.engine import remote, staging
+from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
 from gridsolve.stages.engine.paths import atomic_file, ensure_allowed, ensure_allowed_url
+from gridsolve.stages.engine.staging import SideWriter, Staged
 
 _MAGIC = set("*?[")
 Blame = tuple[str, type[GridsolveError], str | None]
@@ -138,6 +145,14 @@ class Location:
         """The ``storage_options`` xarray/zarr open this with (None: a local path)."""
         return None
 
+    def native(self) -> Path | str:
+        """The path as the code that opens it holds it: a ``Path``, or an object's URL."""
+        return self.text
+
+    def stat(self) -> os.stat_result | None:
+        """The status of an existing local path; None for an object or a missing path."""
+        return None
+
     def file_id(self) -> tuple[int, int] | None:
         """(device, inode) of an existing local path; None for an object or a missing path."""
         return None
@@ -159,6 +174,55 @@ class Location:
 
     def unchanged(self, facts: Mapping[str, Any]) -> bool:
         """Whether the file here is still the one :meth:`facts` described."""
+        raise NotImplementedError
+
+    def folder_facts(self) -> dict[str, Any]:
+        """What identifies the folder (or prefix) here now: path, size, a digest of its files.
+
+        The digest covers every file's name and checksum (an object's ETag).
+        """
+        raise NotImplementedError
+
+    def folder_unchanged(self, facts: Mapping[str, Any]) -> bool:
+        """Whether the folder here is still the one :meth:`folder_facts` described."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ an output, whole or absent
+    def check_output(self, overwrite: bool, *, folder: bool, stage: str) -> Location:
+        """The place checked as an output: the location to write (resolved; a URL tidied).
+
+        OutputError if it cannot be written, or holds what may not be replaced
+        (only a previous gridsolve output is). ``folder``: the output is a folder
+        (a Zarr store), replaced as a whole.
+        """
+        raise NotImplementedError
+
+    def precheck_output(self, overwrite: bool, *, folder: bool, stage: str) -> None:
+        """Before any work: the checks of :meth:`check_output` that leave nothing behind."""
+        raise NotImplementedError
+
+    def staged_file(
+        self, suffixes: Sequence[str], describe: Callable[[], dict[str, Any]]
+    ) -> AbstractContextManager[Staged]:
+        """Where on this host to write an output file for here; published when the block succeeds.
+
+        The block writes the file at ``Staged.path`` through a temporary file
+        renamed over it (a failure meanwhile leaves the previous file), then the
+        files ``<path><suffix>`` of ``suffixes`` beside it. Then the output is
+        published here (for a bucket: only now, and only if the block succeeded)
+        and ``describe`` is asked what identifies it (``Staged.facts``).
+        """
+        raise NotImplementedError
+
+    def staged_store(
+        self, sides: Mapping[str, SideWriter], stage: str
+    ) -> AbstractContextManager[str]:
+        """Where to write a Zarr store that appears here whole; ``sides`` then written beside it.
+
+        The block writes the store (its consolidated metadata last) at the
+        location yielded, opened with :meth:`open_options`. A failure leaves no
+        partial store under this name.
+        """
         raise NotImplementedError
 
     def shared(self) -> ObjectPath | None:
@@ -242,13 +306,21 @@ class LocalPath(Location):
         """``path`` relative to this folder."""
         return os.path.relpath(path, self.text)
 
-    def file_id(self) -> tuple[int, int] | None:
-        """(device, inode) of the existing path; None if it does not exist."""
+    def native(self) -> Path | str:
+        """The path as a ``Path``."""
+        return Path(self.text)
+
+    def stat(self) -> os.stat_result | None:
+        """The path's status; None if it does not exist."""
         try:
-            st = os.stat(self.text)
+            return os.stat(self.text)
         except OSError:
             return None
-        return (st.st_dev, st.st_ino)
+
+    def file_id(self) -> tuple[int, int] | None:
+        """(device, inode) of the existing path; None if it does not exist."""
+        st = self.stat()
+        return None if st is None else (st.st_dev, st.st_ino)
 
     def folders_above(self, parent: bool = False) -> list[tuple[int, int]]:
         """Identities of this path (``parent``: its folder) and each existing folder above it.
@@ -295,6 +367,53 @@ class LocalPath(Location):
             return bool(p.stat().st_size == facts["size"] and file_digest(p) == facts["xxh3"])
         except OSError:
             return False
+
+    def folder_facts(self) -> dict[str, Any]:
+        """Path, size and a digest of every file of the folder (names included)."""
+        path = Path(self.text)
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        digests = [[str(p.relative_to(path)), file_digest(p)] for p in files]
+        return {
+            "path": str(path),
+            "size": sum(p.stat().st_size for p in files),
+            "xxh3": hash_text(canonical_json(digests)),
+        }
+
+    def folder_unchanged(self, facts: Mapping[str, Any]) -> bool:
+        """A folder still, with the same files and bytes as recorded."""
+        try:
+            if not Path(self.text).is_dir():
+                return False
+            return self.folder_facts() == {k: facts[k] for k in ("path", "size", "xxh3")}
+        except OSError:
+            return False
+
+    def check_output(self, overwrite: bool, *, folder: bool, stage: str) -> Location:
+        """The path resolved, its folder made and writable, what is there replaceable."""
+        checked = staging.check_output_path(self.text, overwrite, folder, stage)
+        return LocalPath(str(checked), self.options)
+
+    def precheck_output(self, overwrite: bool, *, folder: bool, stage: str) -> None:
+        """Nothing: checking would make the output's folder; the writer checks it then.
+
+        (A foreign file or store there is refused before any work by
+        :func:`~gridsolve.stages.engine.overlap.refuse_destructive_outputs`.)
+        """
+
+    @contextmanager
+    def staged_file(
+        self, suffixes: Sequence[str], describe: Callable[[], dict[str, Any]]
+    ) -> Iterator[Staged]:
+        """The path itself: the writer's temporary file renamed over it is the publication."""
+        out = Staged(Path(self.text))
+        yield out
+        out.facts = describe()
+
+    def staged_store(
+        self, sides: Mapping[str, SideWriter], stage: str
+    ) -> AbstractContextManager[str]:
+        """A temporary folder beside the path, renamed into place when the block succeeds."""
+        return staging.renamed_store(Path(self.text), sides, stage)
 
 
 class ObjectPath(Location):
@@ -359,6 +478,47 @@ class ObjectPath(Location):
     def write_bytes(self, data: bytes) -> None:
         """One PUT: the object is whole or absent."""
         remote.filesystem(self.text, self.options).pipe_file(self.text, data)
+
+    def folder_facts(self) -> dict[str, Any]:
+        """URL, size and a digest of every object's ETag under the prefix, and how to reach it."""
+        objects = remote.find(self.text, self.options)
+        cut = len(self.text) + 1
+        digests = [[u[cut:], i["etag"], i["size"]] for u, i in objects.items()]
+        return {
+            "path": self.text,
+            "size": sum(i["size"] for i in objects.values()),
+            "xxh3": hash_text(canonical_json(digests)),
+            "storage_options": dict(self.options),
+        }
+
+    def folder_unchanged(self, facts: Mapping[str, Any]) -> bool:
+        """The same objects with the same ETags as recorded (gone or unreachable: changed)."""
+        try:
+            now = self.folder_facts()
+            return now == {k: facts[k] for k in now}
+        except Exception:  # gone or unreachable: write it again
+            return False
+
+    def check_output(self, overwrite: bool, *, folder: bool, stage: str) -> Location:
+        """The URL tidied; its bucket exists and took a probe write, what is there replaceable."""
+        url = staging.check_output_url(self.text, overwrite, self.options, folder, stage)
+        return ObjectPath(url, self.options)
+
+    def precheck_output(self, overwrite: bool, *, folder: bool, stage: str) -> None:
+        """The whole check: a bucket output's probe write leaves nothing behind."""
+        self.check_output(overwrite, folder=folder, stage=stage)
+
+    def staged_file(
+        self, suffixes: Sequence[str], describe: Callable[[], dict[str, Any]]
+    ) -> AbstractContextManager[Staged]:
+        """A private local folder; its files uploaded verified, then copied into place."""
+        return staging.uploaded_file(self.text, self.options, suffixes, describe)
+
+    def staged_store(
+        self, sides: Mapping[str, SideWriter], stage: str
+    ) -> AbstractContextManager[str]:
+        """The URL itself: written in place, its consolidated metadata out first and in last."""
+        return staging.store_in_bucket(self.text, self.options, sides, stage)
 
     def facts(self) -> dict[str, Any]:
         """URL, size and ETag, and how to reach it (no credentials)."""

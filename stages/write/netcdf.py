@@ -5,7 +5,11 @@ how to encode datetimes and strings); the large variables are then created
 with netCDF4 and filled tile by tile, so memory stays at one tile, as chunks
 compressed on every core and stored directly (:mod:`.direct`). Everything
 goes to a temporary file beside the target, renamed over it only when complete:
-a crash or an error never leaves a half file under the final name.
+a crash or an error never leaves a half file under the final name. An output
+for a bucket is the same file written in a private local folder, which the
+storage layer then uploads and publishes (:meth:`Location.staged_file
+<gridsolve.stages.engine.storage.Location.staged_file>`): the writer never asks
+where its output goes.
 
 The file's content is a pure function of the input content and the config (no
 timestamps), so reruns give bit-identical files; run-specific facts (flow run,
@@ -14,10 +18,7 @@ timings) go to the Prefect artifacts instead.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import numpy as np
 from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
 from gridsolve.schemas.kinds.write import NetCDFWrite
 from gridsolve.schemas.metadata import LoadMeta
-from gridsolve.stages.engine import remote, storage
+from gridsolve.stages.engine import storage
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.outputs import Extension, OutputVariable
 from gridsolve.stages.engine.paths import atomic_file, sweep_dead_temporaries
@@ -48,16 +49,7 @@ from gridsolve.stages.write.layout import (
     tile_plan,
     write_side_files,
 )
-from gridsolve.stages.write.target import (
-    check_output_path,
-    check_output_url,
-    file_facts,
-    free_bytes,
-    side_facts,
-    staging_root,
-    still_valid,
-    url_facts,
-)
+from gridsolve.stages.write.target import free_bytes, side_facts, still_valid
 
 VERSION = "2"
 STAGE = "write/netcdf"
@@ -200,19 +192,39 @@ def write_netcdf(
     tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
     extras: Sequence[Extension] = (),
-    staged_locally: bool = False,
-) -> Path:
-    """Write the output file atomically and return its path.
+) -> dict[str, Any]:
+    """Write the output file, whole or not at all, and return the facts of what was written.
 
     ``tiled`` holds every tiled input by kind (all on the same tile plan); each
     output variable is filled tile by tile, so memory stays at one tile.
     ``extras``: what whole input kinds add (variables, attributes, side files).
-    ``staged_locally``: the file is gridsolve's local copy of an output bound for
-    a bucket (a fresh private folder): not checked against the allowed roots.
+    The facts (size and checksum, or the ETag) are what a cache hit checks.
     """
-    final = (
-        Path(config.path) if staged_locally else check_output_path(config.path, config.overwrite)
-    )
+    options = config.storage_options
+    where = storage.at(config.path, options)
+    where = where.check_output(config.overwrite, folder=False, stage=STAGE)
+    sides = list(side_files(extras))
+
+    def describe() -> dict[str, Any]:
+        return {**where.facts(), **side_facts(where.text, sides, options)}
+
+    # A local output is written where it goes; one for a bucket in a private local
+    # folder, then uploaded and published (the location knows which).
+    with where.staged_file(sides, describe) as staged:
+        _write_file(staged.path, config, load, design, tiled, attrs, extras)
+    return staged.facts
+
+
+def _write_file(
+    final: Path,
+    config: NetCDFWrite,
+    load: Artifact,
+    design: Artifact,
+    tiled: Mapping[str, TiledArtifact],
+    attrs: Mapping[str, Any],
+    extras: Sequence[Extension],
+) -> None:
+    """The file at the local path ``final`` (a temporary file renamed over it), then its sides."""
     sweep_dead_temporaries(final)
     variables = output_variables(load, design, tiled, config.layout)
     grid = LoadMeta.of(load)
@@ -247,73 +259,13 @@ def write_netcdf(
         raise
     except (OSError, RuntimeError) as exc:
         raise _write_failure(exc, final) from exc
-    return final
 
 
 def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
     """Write the output NetCDF; the stored artifact records its size and checksum."""
     attrs = run_attrs(config, inputs, ctx)
     tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
-    if storage.at(config.path).local is None:  # staged here, uploaded, then published
-        return _run_to_url(config, inputs, tiled, attrs, extensions(inputs))
-    extras = extensions(inputs)
-    path = write_netcdf(config, inputs["load"], inputs["design"], tiled, attrs, extras)
-    meta: dict[str, Any] = {**file_facts(path), **side_facts(path, side_files(extras))}
-    return StageOutput(meta=meta)
-
-
-def _run_to_url(
-    config: NetCDFWrite,
-    inputs: Mapping[str, Any],
-    tiled: Mapping[str, TiledArtifact],
-    attrs: Mapping[str, Any],
-    extras: Sequence[Extension],
-) -> StageOutput:
-    """Write the output locally, upload it (and its side files) verified, then publish them.
-
-    Both objects are uploaded to temporary keys and checked before either is
-    copied into place, so a failed upload leaves the previous output (and
-    side files) as they were.
-    """
-    options = config.storage_options
-    url = check_output_url(config.path, config.overwrite, options)
-    sides = list(side_files(extras))
-    targets = [url] + [f"{url}{suffix}" for suffix in sides]
-    staging = Path(tempfile.mkdtemp(prefix="write-", dir=staging_root()))
-    local = staging / url.rsplit("/", 1)[-1]
-    staged: list[str] = []
-    published: list[str] = []
-    try:
-        path = write_netcdf(
-            config.model_copy(update={"path": str(local)}),
-            inputs["load"],
-            inputs["design"],
-            tiled,
-            attrs,
-            extras,
-            staged_locally=True,
-        )
-        files = [path] + [Path(f"{path}{suffix}") for suffix in sides]
-        staged = [
-            remote.stage_upload(
-                f, t, options, "output file" if f == path else f"side file {f.name}"
-            )
-            for f, t in zip(files, targets, strict=True)
-        ]
-        for tmp, target in zip(staged, targets, strict=True):
-            remote.publish(tmp, target, options, "output file")
-            published.append(target)
-        meta: dict[str, Any] = {**url_facts(url, options), **side_facts(url, sides, options)}
-    except BaseException:
-        for done in published:  # a run that failed leaves no half-published output behind
-            with contextlib.suppress(Exception):
-                remote.remove(done, options)
-        raise
-    finally:
-        for tmp in staged:
-            with contextlib.suppress(Exception):
-                remote.remove(tmp, options)
-        shutil.rmtree(staging, ignore_errors=True)
+    meta = write_netcdf(config, inputs["load"], inputs["design"], tiled, attrs, extensions(inputs))
     return StageOutput(meta=meta)
 
 

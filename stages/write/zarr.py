@@ -8,29 +8,28 @@ CF decoding), then each tile's data into the chunks it covers, then the
 consolidated metadata (``.zmetadata``), written last; only then is the folder
 renamed to ``write.path``. A reader therefore finds the previous store or the
 complete new one, or for an instant none (``stages.engine.paths.atomic_folder``);
-a store without ``.zmetadata`` is not a complete gridsolve output.
+a store without ``.zmetadata`` is not a complete gridsolve output. A bucket has
+no rename: there the store is written in place, the old one's ``.zmetadata``
+deleted first and the new one's written last. The storage layer does either
+(:meth:`Location.staged_store <gridsolve.stages.engine.storage.Location.staged_store>`):
+the writer never asks where its output goes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from gridsolve.schemas.errors import ContractError, GridsolveError, OutputError
+from gridsolve.schemas.errors import ContractError
 from gridsolve.schemas.kinds.write import ZarrWrite
 from gridsolve.schemas.metadata import LoadMeta, WriteMeta
-from gridsolve.stages.engine import remote, storage
+from gridsolve.stages.engine import storage
 from gridsolve.stages.engine.context import StageContext
-from gridsolve.stages.engine.hashing import canonical_json, file_digest, hash_text
-from gridsolve.stages.engine.paths import BESIDE_SUFFIXES, atomic_folder, sweep_dead_temporaries
 from gridsolve.stages.engine.registry import StageDecl, register
+from gridsolve.stages.engine.storage import Location
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -51,23 +50,14 @@ from gridsolve.stages.write.layout import (
     side_files,
     skeleton,
     tile_plan,
-    write_side_files,
 )
-from gridsolve.stages.write.target import (
-    check_output_path,
-    check_output_url,
-    side_facts,
-    sides_unchanged,
-    staging_root,
-)
+from gridsolve.stages.write.target import side_facts, sides_unchanged
 
 STAGE = "write/zarr"
 VERSION = "2"
 #: Zarr format 2: consolidated metadata (``.zmetadata``) and text arrays are part of its
 #: specification (in format 3 both are still extensions that zarr-python warns about).
 ZARR_FORMAT: Literal[2] = 2
-#: The object that marks a store in a bucket as being written by gridsolve (removed last).
-WRITING = ".gridsolve-writing"
 
 
 def _template(
@@ -177,32 +167,20 @@ def write_zarr(
     tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
     extras: Sequence[Extension] = (),
-) -> Path | str:
-    """Write the output store (complete, then renamed into place) and return its path."""
-    if storage.at(config.path).local is None:  # a bucket has no rename: written in place
-        return _write_to_url(config, load, design, tiled, attrs, extras)
-    final = check_output_path(config.path, config.overwrite, folder=True, stage=STAGE)
-    sweep_dead_temporaries(final)
-    tile_plan(tiled)
-    try:
-        with atomic_folder(final) as tmp:
-            _fill(str(tmp), None, config, load, design, tiled, attrs, extras)
-        write_side_files(extras, final)
-    except GridsolveError:
-        raise
-    except (OSError, RuntimeError) as exc:
-        raise OutputError(
-            f"writing {final} failed",
-            stage=STAGE,
-            found=f"{type(exc).__name__}: {exc}",
-            fix="check write.path and the free space; nothing was written under the final name",
-        ) from exc
-    return final
+) -> Location:
+    """Write the output store (whole before it appears under its name) and return where it is."""
+    where = storage.at(config.path, config.storage_options)
+    where = where.check_output(config.overwrite, folder=True, stage=STAGE)
+    tile_plan(tiled)  # before the old store is touched
+    # Renamed into place on a disk; written in place in a bucket (the location knows which).
+    with where.staged_store(side_files(extras), STAGE) as store:
+        _fill(store, where.open_options(), config, load, design, tiled, attrs, extras)
+    return where
 
 
 def _fill(
     store: str,
-    options: Mapping[str, Any] | None,
+    options: dict[str, Any] | None,
     config: ZarrWrite,
     load: Artifact,
     design: Artifact,
@@ -210,7 +188,10 @@ def _fill(
     attrs: Mapping[str, Any],
     extras: Sequence[Extension],
 ) -> None:
-    """Metadata, then every tile's chunks, then the consolidated metadata (last) into ``store``."""
+    """Metadata, then every tile's chunks, then the consolidated metadata (last) into ``store``.
+
+    ``options``: the ``storage_options`` to open it with (None: a local folder).
+    """
     variables = output_variables(load, design, tiled, config.layout)
     plan = tile_plan(tiled)
     base = skeleton(load, design, attrs)
@@ -218,7 +199,6 @@ def _fill(
         extra.add(base)
     first = {kind: art.tiles[0][1] for kind, art in tiled.items()}
     template = _template(config, load, variables, first, base)
-    so = remote.storage_options(options) if options is not None else None
     import zarr
 
     with zarr.config.set({"array.write_empty_chunks": True}):  # the coordinates' chunks too
@@ -228,109 +208,19 @@ def _fill(
             compute=False,
             consolidated=False,
             zarr_format=ZARR_FORMAT,
-            storage_options=so,
+            storage_options=options,
         )
-    group = zarr.open_group(store, mode="r+", zarr_format=ZARR_FORMAT, storage_options=so)
+    group = zarr.open_group(store, mode="r+", zarr_format=ZARR_FORMAT, storage_options=options)
     _write_tiles(group, variables, tiled, plan, LoadMeta.of(load))
     # Last: the mark of a complete store.
     zarr.consolidate_metadata(group.store, zarr_format=ZARR_FORMAT)
 
 
-def _write_to_url(
-    config: ZarrWrite,
-    load: Artifact,
-    design: Artifact,
-    tiled: Mapping[str, TiledArtifact],
-    attrs: Mapping[str, Any],
-    extras: Sequence[Extension],
-) -> str:
-    """Write the store straight into the bucket; ``.zmetadata`` goes first out and last in.
-
-    A bucket has no rename: the old store's ``.zmetadata`` is deleted before
-    anything else changes, so from then on readers that honour it (gridsolve,
-    ``xarray.open_zarr(consolidated=True)``) see no complete store until the
-    new one's ``.zmetadata`` lands, last. A failure deletes what was written.
-    """
-    options = config.storage_options
-    url = check_output_url(config.path, config.overwrite, options, folder=True, stage=STAGE)
-    tile_plan(tiled)  # before the old store is touched
-    sides = side_files(extras)
-    # what describes the old store goes with it
-    beside = [f"{url}{suffix}" for suffix in dict.fromkeys((*BESIDE_SUFFIXES, *sides))]
-    with remote.translated(url, "output", OutputError, STAGE, options):
-        remote.remove(f"{url}/.zmetadata", options)
-        remote.remove(url, options)
-        for extra in beside:
-            remote.remove(extra, options)
-        # Marks the prefix as gridsolve's own store being written, so that what a killed
-        # writer leaves is replaced by the next run rather than refused as someone's data.
-        remote.filesystem(url, options).pipe_file(f"{url}/{WRITING}", b"gridsolve")
-        try:
-            _fill(url, options, config, load, design, tiled, attrs, extras)
-            if sides:
-                staging = Path(tempfile.mkdtemp(prefix="write-", dir=staging_root()))
-                try:
-                    store_name = staging / url.rsplit("/", 1)[-1]
-                    for suffix, write in sides.items():
-                        write(Path(f"{store_name}{suffix}"))
-                        remote.upload(
-                            Path(f"{store_name}{suffix}"), f"{url}{suffix}", options, "side file"
-                        )
-                finally:
-                    shutil.rmtree(staging, ignore_errors=True)
-            remote.remove(f"{url}/{WRITING}", options)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                remote.remove(f"{url}/.zmetadata", options)
-                remote.remove(url, options)
-                for suffix in sides:
-                    remote.remove(f"{url}{suffix}", options)
-            raise
-    return url
-
-
-def _url_facts(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """URL, size and a digest of every object's ETag of a store in a bucket."""
-    objects = remote.find(url, options)
-    digests = [[u[len(url) + 1 :], i["etag"], i["size"]] for u, i in objects.items()]
-    return {
-        "path": url,
-        "size": sum(i["size"] for i in objects.values()),
-        "xxh3": hash_text(canonical_json(digests)),
-        "storage_options": dict(options),
-    }
-
-
-def _store_facts(path: Path) -> dict[str, Any]:
-    """Path, size and a digest of every file of the store (names included)."""
-    files = sorted(p for p in path.rglob("*") if p.is_file())
-    digests = [[str(p.relative_to(path)), file_digest(p)] for p in files]
-    return {
-        "path": str(path),
-        "size": sum(p.stat().st_size for p in files),
-        "xxh3": hash_text(canonical_json(digests)),
-    }
-
-
 def still_valid(meta: Mapping[str, Any]) -> bool:
     """Whether the store (and its side files) a stored write artifact describes are intact."""
     typed = WriteMeta.of(meta)
-    if storage.at(typed.path).local is None:
-        try:
-            if _url_facts(typed.path, typed.storage_options) != dict(
-                {k: v for k, v in meta.items() if k != "side_files"}
-            ):
-                return False
-        except Exception:  # gone or unreachable: write it again
-            return False
-        return sides_unchanged(meta)
-    p = Path(typed.path)
-    try:
-        if not p.is_dir() or _store_facts(p) != {k: meta[k] for k in ("path", "size", "xxh3")}:
-            return False
-    except OSError:
-        return False
-    return sides_unchanged(meta)
+    where = storage.at(typed.path, typed.storage_options)
+    return where.folder_unchanged(meta) and sides_unchanged(meta)
 
 
 def run(config: ZarrWrite, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
@@ -338,10 +228,9 @@ def run(config: ZarrWrite, inputs: Mapping[str, Any], ctx: StageContext) -> Stag
     attrs = run_attrs(config, inputs, ctx)
     tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
     extras = extensions(inputs)
-    path = write_zarr(config, inputs["load"], inputs["design"], tiled, attrs, extras)
-    options = config.storage_options
-    made = _url_facts(path, options) if isinstance(path, str) else _store_facts(path)
-    return StageOutput(meta={**made, **side_facts(path, side_files(extras), options)})
+    where = write_zarr(config, inputs["load"], inputs["design"], tiled, attrs, extras)
+    sides = side_facts(where.text, side_files(extras), config.storage_options)
+    return StageOutput(meta={**where.folder_facts(), **sides})
 
 
 register(

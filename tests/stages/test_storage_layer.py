@@ -1,13 +1,24 @@
-"""Only the storage layer asks whether a path is a URL (issue 28: one storage interface)."""
+"""Only the storage layer asks whether a path is a URL (issue 28: one storage interface).
+
+Outside it, code asks a location to do things. An output is staged and
+published by one operation whatever the location: the same tests run on a
+local folder and a bucket.
+"""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import xarray as xr
 
+from gridsolve.schemas.errors import OutputError
 from gridsolve.stages.engine import storage
+from gridsolve.stages.engine.paths import atomic_file
+
+from testkit import make_ds
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("stages", "flows", "schemas")
@@ -87,3 +98,87 @@ def test_locations_compare_only_within_their_kind(tmp_path: Path) -> None:
     assert storage.at(str(tmp_path / "a")).inside(storage.at(str(tmp_path)))
     assert inner.matched_by(storage.at("s3://b/y/*"))
     assert not storage.at(str(tmp_path / "a.nc")).matched_by(storage.at("s3://b/*"))
+
+
+# ---------------------------------------------------------------- one output operation
+@pytest.fixture(params=["folder", "bucket"])
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[str], storage.Location]:
+    """A location named ``name`` in a local folder, or in a fresh bucket."""
+    if request.param == "folder":
+        return lambda name: storage.at(str(tmp_path / "out" / name))
+    s3 = request.getfixturevalue("s3")
+    return lambda name: storage.at(s3.url(name))
+
+
+def _bytes(where: storage.Location) -> bytes:
+    return Path(where.readable()).read_bytes()
+
+
+def _names(where: storage.Location) -> list[str]:
+    """Everything in the folder or bucket ``where`` lies in (temporaries included)."""
+    folder = storage.at(where.text.rsplit("/", 1)[0])
+    return [folder.relative(f) for f in folder.files_under(("test", OutputError, None))]
+
+
+def test_a_file_is_published_with_the_file_beside_it(
+    place: Callable[[str], storage.Location],
+) -> None:
+    where = place("o.nc")
+    with where.staged_file([".side"], lambda: {"size": where.facts()["size"]}) as staged:
+        with atomic_file(staged.path) as tmp:  # as the writer writes it
+            tmp.write_bytes(b"new output")
+        Path(f"{staged.path}.side").write_bytes(b"side")
+    assert _bytes(where) == b"new output" and staged.facts == {"size": 10}
+    assert _bytes(storage.at(f"{where}.side")) == b"side"
+    assert _names(where) == ["o.nc", "o.nc.side"]
+
+
+def test_a_file_that_fails_leaves_the_previous_one_and_nothing_else(
+    place: Callable[[str], storage.Location],
+) -> None:
+    where = place("o.nc")
+    where.write_bytes(b"old")
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        where.staged_file([".side"], dict) as staged,
+        atomic_file(staged.path) as tmp,
+    ):
+        tmp.write_bytes(b"new")
+        raise RuntimeError("boom")
+    assert _bytes(where) == b"old" and _names(where) == ["o.nc"]
+
+
+def _write_store(where: storage.Location, ds: xr.Dataset, fails: bool) -> None:
+    def side(path: Path) -> None:
+        path.write_bytes(b"side")
+
+    with where.staged_store({".side": side}, "write/zarr") as store:
+        # mode "w", as the writer: a bucket's store holds gridsolve's mark while it is written
+        options = where.open_options()
+        ds.to_zarr(store, mode="w", storage_options=options, zarr_format=2, consolidated=True)
+        if fails:
+            raise RuntimeError("boom")
+
+
+def test_a_store_appears_whole_with_the_file_beside_it(
+    place: Callable[[str], storage.Location],
+) -> None:
+    where, ds = place("o.zarr"), make_ds(n_obs=3, ny=2, nx=2)
+    _write_store(where, ds, fails=False)
+    with xr.open_zarr(where.text, storage_options=where.open_options()) as got:
+        xr.testing.assert_equal(got.load(), ds)
+    assert _bytes(storage.at(f"{where}.side")) == b"side"
+    recorded = {**where.folder_facts(), "side_files": {}}  # as the writer records it
+    assert where.folder_unchanged(recorded)
+    storage.at(f"{where}/extra").write_bytes(b"x")
+    assert not where.folder_unchanged(recorded)
+
+
+def test_a_store_that_fails_leaves_nothing_under_its_name(
+    place: Callable[[str], storage.Location],
+) -> None:
+    where = place("o.zarr")
+    with pytest.raises(OutputError) as err:
+        _write_store(where, make_ds(n_obs=3, ny=2, nx=2), fails=True)
+    assert "RuntimeError: boom" in str(err.value)
+    assert not where.exists() and _names(where) == []
