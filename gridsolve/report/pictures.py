@@ -23,7 +23,6 @@ import base64
 import functools
 import importlib.metadata
 import json
-import os
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -104,9 +103,7 @@ def caption_text(
 
 def _beside(output: str | Path, suffix: str) -> Path | str:
     """Where the picture ``suffix`` of ``output`` goes: ``<output>.<suffix>.png``."""
-    name = f"{output}.{suffix}.png"
-    local = storage.at(name).local
-    return name if local is None else local
+    return storage.at(f"{output}.{suffix}.png").native()
 
 
 def _write_beside(
@@ -123,11 +120,8 @@ def drawn_from(output: str | Path, caption: Caption | None) -> str | None:
     The file's identity (path, size, mtime, inode) and the caption's deployment
     and config, not its run name.
     """
-    if storage.at(output).local is None:
-        return None
-    try:
-        st = os.stat(output)
-    except OSError:
+    st = storage.at(output).stat()  # an object has no inode or mtime to stamp
+    if st is None:
         return None
     said = (caption.deployment, caption.config) if caption is not None else None
     return json.dumps([str(output), st.st_size, st.st_mtime_ns, st.st_ino, said, _drawing()])

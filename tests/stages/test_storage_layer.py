@@ -1,8 +1,9 @@
 """Only the storage layer asks whether a path is a URL (issue 28: one storage interface).
 
-Outside it, code asks a location to do things. An output is staged and
-published by one operation whatever the location: the same tests run on a
-local folder and a bucket.
+Outside it, code asks a location to do things; the few places that still ask
+whether a location is on this host's disk (read ``Location.local``) are listed
+with why. An output is staged and published by one operation whatever the
+location: the same tests run on a local folder and a bucket.
 """
 
 from __future__ import annotations
@@ -35,6 +36,23 @@ EXCEPTIONS = {
     # confinement (GRIDSOLVE_ALLOWED_INPUTS): compares by the setting's text, where a file://
     # entry is a prefix too; moving it would change which inputs a confined worker accepts
     "stages/engine/paths.py": 2,
+}
+
+
+#: where code outside the layer reads ``Location.local`` (is this on this host's disk?), and why
+LOCAL_READS = {
+    # a single object is keyed by its ETag, as a file set of one; a local file by its bytes
+    # (the load key's form differs by design: changing it would change every cache key)
+    "stages/load/where.py": 1,
+    "stages/load/inputs.py": 1,
+    # a file set's objects are revalidated by one listing of their ETags, files by stat
+    # and a rehash on a new identity (the same split as the load key)
+    "stages/load/blocks.py": 1,
+    # refusing a foreign output before any work reads a local file's attributes; a bucket
+    # output is refused before any work by check_write_target (a probe write)
+    "stages/engine/overlap.py": 1,
+    # write.keep_last lists and deletes local outputs only (a documented limit)
+    "stages/write/retention.py": 1,
 }
 
 
@@ -74,6 +92,33 @@ def test_only_the_storage_layer_asks_whether_a_path_is_a_url() -> None:
 def test_the_layer_does_ask() -> None:
     # the walk finds what it looks for (a test that counts nothing proves nothing)
     assert _counts().get("stages/engine/storage.py", 0) >= 1
+
+
+def _local_reads() -> dict[str, int]:
+    """Reads of an attribute ``local`` per module of the packages (and gridsolve/*.py)."""
+    paths = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
+    out = {}
+    own = [  # gridsolve's own modules (api.py, report/), not the links to the packages
+        p
+        for p in sorted((ROOT / "gridsolve").rglob("*.py"))
+        if not any((ROOT / q).is_symlink() for q in p.relative_to(ROOT).parents)
+    ]
+    for path in paths + own:
+        tree = ast.parse(path.read_text(), str(path))
+        n = sum(isinstance(node, ast.Attribute) and node.attr == "local" for node in ast.walk(tree))
+        if n:
+            out[path.relative_to(ROOT).as_posix()] = n
+    return out
+
+
+def test_only_the_listed_places_ask_whether_a_location_is_local() -> None:
+    # the writers, the output checks and the pictures never do: they call the layer
+    outside = {f: n for f, n in _local_reads().items() if f not in LAYER}
+    assert outside == LOCAL_READS
+
+
+def test_the_local_reads_are_found() -> None:
+    assert _local_reads().get("stages/engine/storage.py", 0) >= 1
 
 
 @pytest.mark.parametrize(
