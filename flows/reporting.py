@@ -154,9 +154,7 @@ def publish(
             key="gridsolve-quicklook",
             description="first coefficient and residual RMS maps",
         )
-        # only a run that trained has a loss (opening the output to find out costs 0.2 s)
-        trained = any(r.stage == "train" and r.impl != "none" for r in summary.stages)
-        curve = write_loss_curve(summary.output, options) if trained else None
+        curve = write_loss_curve(summary.output, options)
         if curve is not None:
             create_markdown_artifact(
                 markdown=quicklook_markdown(curve[1], curve[0], summary.output, "training loss"),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gridsolve.report.maps import _edges, _panels, colour_scale, open_output, status_text
-from gridsolve.report.pictures import Caption, caption_text
+from gridsolve.report.pictures import LOSS_VARIABLE, Caption, caption_text
 from gridsolve.stages.engine.provenance import MARK_KEY, MARK_VALUE, STAMP_KEY
 
 if TYPE_CHECKING:
@@ -93,10 +93,10 @@ def quicklook_png(
 def loss_curve_png(output: str | Path, options: Mapping[str, Any] | None = None) -> bytes | None:
     """PNG bytes of the training and validation loss per epoch, or None without training."""
     with open_output(output, options) as ds:
-        if "train_loss" not in ds:
+        if LOSS_VARIABLE not in ds:
             return None
         epoch = ds["epoch"].values
-        train = ds["train_loss"].values
+        train = ds[LOSS_VARIABLE].values
         val = ds["val_loss"].values
         best = ds.attrs.get("gridsolve_train_best_epoch")
         written = ds.attrs.get("gridsolve_train_weights_epoch")

@@ -20,7 +20,15 @@ from matplotlib.figure import Figure
 
 from gridsolve.report.drawing import quicklook_figure, quicklook_png
 from gridsolve.report.maps import colour_scale, significant_trend, status_counts
-from gridsolve.report.pictures import Caption, config_summary, drawn_from, write_quicklook
+from gridsolve.report.pictures import (
+    LOSS_VARIABLE,
+    Caption,
+    _may_hold,
+    config_summary,
+    drawn_from,
+    write_loss_curve,
+    write_quicklook,
+)
 from gridsolve.schemas.kinds.design import PolynomialDesign, RandomDesign
 from gridsolve.schemas.kinds.load import NetCDFLoad
 from gridsolve.schemas.kinds.model import MultidimLinearModel
@@ -431,3 +439,24 @@ def test_a_picture_is_drawn_again_when_its_output_or_caption_changed(
     os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     assert drawn_from(out, Caption(run="fourth", config="x=1")) != stamp
     assert not write_quicklook(out, None, Caption(run="fourth", config="x=1"))[2]
+
+
+def test_the_loss_curve_is_drawn_only_for_an_output_with_losses(tmp_path: Path) -> None:
+    # told without xarray for a local NetCDF file or Zarr store (_may_hold); drawn when held
+    losses = {"train_loss": ("epoch", [1.0, 0.5]), "val_loss": ("epoch", [1.2, 0.7])}
+    with_loss = xr.Dataset(losses, coords={"epoch": [1, 2]})
+    without = xr.Dataset({"other": ("epoch", [1.0, 0.5])}, coords={"epoch": [1, 2]})
+    for name, ds in (("with.nc", with_loss), ("without.nc", without)):
+        ds.to_netcdf(tmp_path / name)
+    for name, ds in (("with.zarr", with_loss), ("without.zarr", without)):
+        ds.to_zarr(tmp_path / name, consolidated=True, zarr_format=2)
+    for stem in ("with", "without"):
+        for suffix in ("nc", "zarr"):
+            out = tmp_path / f"{stem}.{suffix}"
+            assert _may_hold(out, LOSS_VARIABLE) is (stem == "with"), out
+            curve = write_loss_curve(out)
+            assert (curve is not None) is (stem == "with"), out
+            assert Path(f"{out}.loss.png").exists() is (stem == "with"), out
+    # what cannot be read cheaply is left to the drawing code
+    assert _may_hold(tmp_path / "missing.nc", LOSS_VARIABLE)
+    assert _may_hold("s3://bucket/out.nc", LOSS_VARIABLE)
