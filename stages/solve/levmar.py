@@ -1,0 +1,167 @@
+"""Per-pixel nonlinear least squares of a single-sample model: batched Levenberg–Marquardt.
+
+Design requirements (issue 31, DESIGN.md §13):
+
+* The user writes ``f(t, p)`` for ONE sample: ``t`` the observation coordinates
+  (n_obs, …), ``p`` the parameter vector (n_param,), returning (n_obs,). It is
+  batched unchanged with ``torch.func.vmap`` over pixels; per-pixel Jacobians come
+  from ``vmap(jacfwd(f, argnums=1))`` (``jacrev`` when there are more parameters
+  than observations).
+* Every pixel minimises ``Σ_i w_i (b_i − f(t_i; p))²`` over its valid observations
+  (mask True, b finite, weight > 0) on its own: own damping λ, own trust region,
+  own step acceptance; a pixel that stopped no longer changes, and the loop ends
+  when every pixel has stopped or after ``max_iter`` trial steps.
+* The iteration is MINPACK's ``lmder`` (Moré 1978), the code behind
+  ``scipy.optimize.curve_fit(method="lm")``: scaling ``D`` from the Jacobian's
+  column norms, trust radius Δ and λ updated by the gain ratio ρ, the same ftol /
+  xtol / gtol tests and defaults, so a pixel converges where curve_fit does and to
+  the same point (see :mod:`.levmar_linalg` for the one difference: unpivoted QR).
+* The covariance is curve_fit's ``pcov``: ``(JᵀWJ)⁻¹`` at the solution, times
+  ``cost / (n_valid − n_param)`` unless ``absolute_sigma``; NaN where it is not
+  defined (rank-deficient Jacobian, no degrees of freedom for the scale).
+* Every pixel gets a status (:class:`.levmar_status.FitStatus`, CF flags): it is
+  ``converged`` only where a convergence test held.
+
+How it will be wired (not yet): a ``solve`` implementation (``impl: curvefit``)
+whose tile function calls :func:`fit_batched` on the tile's pixels (``b`` the load's
+(pixel, obs) block, ``mask`` its gap mask, ``weights`` the load's weights, ``t`` the
+time coordinate in the design's units) with ``f`` the user's ``target`` imported as
+``model: module`` does, and writes :meth:`LMResult.arrays` as the tile's arrays:
+``params`` (param, y, x), ``param_stderr``, ``covariance``, ``cost``, ``n_iter``,
+``residual_rms``, ``n_valid`` and ``status`` with ``flag_attrs("…",
+FIT_STATUS_FLAGS)``; the plan's memory budget sizes the tiles from ``pixel_bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from gridsolve.stages.solve.levmar_bounds import BoundsLike
+from gridsolve.stages.solve.levmar_linalg import covariance
+from gridsolve.stages.solve.levmar_problem import Model, Problem, problem
+from gridsolve.stages.solve.levmar_state import State, refresh_jacobian, start, trial_step
+from gridsolve.stages.solve.levmar_status import FitStatus, assign_status
+
+
+@dataclass(frozen=True)
+class LMResult:
+    """What the fit found at every pixel (tensors on the input's device).
+
+    ``params`` (pixel, param); ``covariance`` (pixel, param, param) and
+    ``param_stderr`` (pixel, param), NaN where undefined; ``cost`` = Σ w r² at the
+    solution; ``n_iter`` trial steps taken; ``residual_rms`` the unweighted RMS of
+    ``b − f`` over the valid observations; ``n_valid`` valid observations;
+    ``status`` int8 :class:`FitStatus` codes; ``reason`` MINPACK's ``info``
+    (``levmar_status.REASONS``).
+    """
+
+    params: torch.Tensor
+    covariance: torch.Tensor
+    param_stderr: torch.Tensor
+    cost: torch.Tensor
+    n_iter: torch.Tensor
+    residual_rms: torch.Tensor
+    n_valid: torch.Tensor
+    status: torch.Tensor
+    reason: torch.Tensor
+
+    def converged(self) -> torch.Tensor:
+        """Per pixel: whether its status is ``converged``."""
+        return self.status == int(FitStatus.CONVERGED)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every field as a numpy array (on the CPU), by name."""
+        return {k: v.detach().cpu().numpy() for k, v in vars(self).items()}
+
+
+def fit_batched(
+    f: Model,
+    t: torch.Tensor,
+    b: torch.Tensor,
+    p0: torch.Tensor,
+    *,
+    weights: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    bounds: BoundsLike | None = None,
+    max_iter: int | None = None,
+    xtol: float | None = None,
+    ftol: float | None = None,
+    gtol: float = 0.0,
+    factor: float = 100.0,
+    absolute_sigma: bool = False,
+    jacobian: Literal["auto", "fwd", "rev"] = "auto",
+) -> LMResult:
+    """Least-squares fit of ``f(t, p)`` to ``b`` at every pixel, each pixel on its own.
+
+    ``b`` (pixel, obs) float32/float64, NaN where missing; ``mask`` (pixel, obs)
+    True where observed; ``weights`` (pixel, obs) or (obs,) are 1/σ² (0: not used);
+    ``p0`` the start, (param,) or (pixel, param); ``bounds`` (lower, upper), scalars
+    or one value per parameter, ±inf for none (see :mod:`.levmar_bounds`).
+
+    ``max_iter`` trial steps (one model evaluation each; default 100·(n_param + 1),
+    MINPACK's ``maxfev`` for ``lmder``); ``xtol``, ``ftol`` (default √eps of the
+    dtype: curve_fit's 1.49e-8 in float64), ``gtol`` and ``factor`` as in
+    ``scipy.optimize.leastsq``. ``absolute_sigma``: the covariance is not scaled
+    by the residual variance (weights are 1/σ² of known errors). Deterministic:
+    the same inputs give bit-identical results on the same device; a pixel's
+    result can change in its last bits with its position in the batch (torch's
+    vectorised and scalar math kernels round differently).
+    """
+    prob, u0 = problem(f, t, b, p0, weights, mask, bounds, jacobian)
+    n_param = u0.shape[-1]
+    eps = torch.finfo(b.dtype).eps
+    tol_x = eps**0.5 if xtol is None else xtol
+    tol_f = eps**0.5 if ftol is None else ftol
+    if min(tol_x, tol_f, gtol) < 0 or factor <= 0:
+        raise ValueError("xtol, ftol and gtol must be >= 0 and factor > 0")
+    limit = 100 * (n_param + 1) if max_iter is None else max_iter
+    if limit < 1:
+        raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+    st = start(prob, u0)
+    for _ in range(limit):
+        refresh_jacobian(prob, st, factor, gtol)
+        if not bool(st.active.any()):
+            break
+        trial_step(prob, st, (tol_f, tol_x), limit)
+    return _finish(prob, st, absolute_sigma)
+
+
+def _finish(prob: Problem, st: State, absolute_sigma: bool) -> LMResult:
+    """The result: parameters in the model's space, covariance at the solution, status."""
+    n_param = st.u.shape[-1]
+    fitted = (prob.n_valid >= n_param) & ~st.not_finite_at_start
+    p = st.u if prob.box is None else prob.box.to_external(st.u)
+    p = torch.where(fitted[:, None], p, torch.nan)
+    cov = torch.full((*p.shape, n_param), torch.nan, dtype=p.dtype, device=p.device)
+    singular = torch.zeros_like(fitted)
+    idx = torch.nonzero(fitted & torch.isfinite(p).all(dim=-1)).flatten()
+    if idx.numel():
+        # in the model's own parameters (not the bounded internal ones): the
+        # covariance of p, defined at a bound too
+        J = prob.weighted_jacobian(p[idx], idx, external=True)
+        cov[idx], singular[idx] = covariance(J, p[idx])
+    cost = st.fnorm**2
+    dof = prob.n_valid - n_param
+    if not absolute_sigma:
+        scale = torch.where(dof > 0, cost / dof.clamp(min=1), torch.nan)
+        cov = cov * scale[:, None, None]
+    cov = torch.where(fitted[:, None, None], cov, torch.nan)
+    resid = torch.where(prob.valid, st.e / torch.where(prob.valid, prob.sqrtw, 1.0), 0.0)
+    rms = torch.sqrt((resid**2).sum(dim=-1) / prob.n_valid.clamp(min=1))
+    at_bound = torch.zeros_like(fitted) if prob.box is None else prob.box.at_bound(p)
+    status = assign_status(prob.n_valid, n_param, st.reason, st.not_finite, at_bound, singular)
+    return LMResult(
+        params=p,
+        covariance=cov,
+        param_stderr=torch.sqrt(cov.diagonal(dim1=-2, dim2=-1)),
+        cost=torch.where(fitted, cost, torch.nan),
+        n_iter=st.n_iter,
+        residual_rms=torch.where(fitted, rms, torch.nan),
+        n_valid=prob.n_valid,
+        status=status,
+        reason=st.reason,
+    )
