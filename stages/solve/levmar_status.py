@@ -89,5 +89,5 @@ def assign_status(
     ]
     # lowest precedence first: each later rule overwrites the earlier ones
     for where, code in stops:
-        status = torch.where(where, torch.tensor(int(code), dtype=torch.int8), status)
+        status = torch.where(where, torch.full_like(status, int(code)), status)
     return status
