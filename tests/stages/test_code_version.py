@@ -347,5 +347,8 @@ def test_every_module_of_a_kinds_numerics_is_part_of_its_code_version(kind: str,
         f"gridsolve.stages.{kind}.{p.stem}"
         for p in folder.glob("*.py")
         if p.stem not in ("__init__", "declare", "contract", "outputs")
+        # the nonlinear fit's numerics (issue 31) are not lstsq's; registered as their own
+        # implementation they get their own row here
+        and not p.stem.startswith("levmar")
     }
     assert expected <= set(versions.module_digests(code_roots(get(kind, impl))))
