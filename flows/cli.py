@@ -7,6 +7,8 @@ without a traceback, exit status 2. ``--debug`` shows tracebacks.
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import logging
 import os
@@ -546,6 +548,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the user set it; before numpy loads, and inherited by the flow-run processes.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     args = _parser().parse_args(argv)
+    # The process ends after the command: the garbage collection of every object at exit
+    # cost 0.5-0.7 s of a 3.8 s cached run here and frees nothing the operating system
+    # does not. Frozen objects are skipped by it; the other atexit handlers (Prefect's log
+    # and event flushes) run all the same.
+    atexit.register(gc.freeze)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if os.environ.get("PREFECT_API_URL") == "":
         # Set but empty (`PREFECT_API_URL= gridsolve …`) means unset, as for the user;

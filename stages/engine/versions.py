@@ -293,6 +293,19 @@ def _is_library(path: str) -> bool:
 
 def _source_file(name: str) -> str | None:
     """The ``.py`` file of module ``name`` (without importing it), or None."""
+    if name.partition(".")[0] in GRIDSOLVE_PACKAGES:
+        return _own_source_file(name)
+    return _find_source_file(name)
+
+
+@functools.cache
+def _own_source_file(name: str) -> str | None:
+    # gridsolve's own modules stay where they are for the life of a process; its stages
+    # import most of them lazily, so each is otherwise searched for once per stage key
+    return _find_source_file(name)
+
+
+def _find_source_file(name: str) -> str | None:
     mod = sys.modules.get(name)
     if mod is not None:
         f = getattr(mod, "__file__", None)
@@ -315,6 +328,27 @@ def _source_file(name: str) -> str | None:
             if candidate.is_file():
                 return str(candidate)
     return None
+
+
+@functools.cache
+def _library_package(top: str) -> bool:
+    """Whether the top-level package ``top`` lies in a library folder (nothing imported).
+
+    Its modules are never tracked unless it is a root's package, so they are not
+    looked up one by one: a run whose stages are all cache hits has not imported
+    torch or xarray, and finding each of their modules' files costs a search.
+    """
+    mod = sys.modules.get(top)
+    origin = getattr(mod, "__file__", None) if mod is not None else None
+    if not isinstance(origin, str):
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            return False
+        if spec is None:
+            return False
+        origin = spec.origin or next(iter(spec.submodule_search_locations or []), None)
+    return isinstance(origin, str) and _is_library(origin)
 
 
 def _tracked(name: str, path: str, tops: frozenset[str]) -> bool:
@@ -342,6 +376,10 @@ def module_digests(roots: Iterable[str]) -> dict[str, str]:
         if name in seen:
             continue
         seen.add(name)
+        top = name.partition(":")[0].partition(".")[0]
+        outside = name not in roots and top not in GRIDSOLVE_PACKAGES and top not in tops
+        if outside and _library_package(top):
+            continue  # as _tracked would decide for each of its modules
         if ":" in name:  # ``from base import a, b``
             base, _, listed = name.partition(":")
             subs = [f"{base}.{a}" for a in listed.split(",") if a != "*"]
