@@ -33,7 +33,14 @@ from pydantic import BaseModel, ConfigDict
 from gridsolve.flows.automations import FLOW_NAME, SCHEDULED_TAG
 from gridsolve.flows.failures import install as install_failure_logging
 from gridsolve.flows.failures import noting_user_errors
-from gridsolve.flows.reporting import RunSummary, StageSummary, publish, summary_row, was_hit
+from gridsolve.flows.reporting import (
+    RunSummary,
+    StageSummary,
+    pictures_after_the_run,
+    publish,
+    summary_row,
+    was_hit,
+)
 from gridsolve.flows.runtime import deployment_id, deployment_name
 from gridsolve.schemas import templating
 from gridsolve.schemas.artifacts import ArtifactRef, StageRun, Tile, TiledRef
@@ -711,7 +718,8 @@ def run_config(cfg: PipelineConfig, config_file: str | Path | None = None) -> Ru
     params = {k: getattr(cfg, k) for k in PipelineConfig.model_fields}
     token = _CONFIG_FILE.set(Path(config_file) if config_file is not None else None)
     try:
-        summary: RunSummary = pipeline(**params)
+        with pictures_after_the_run():  # drawn while the flow run finishes
+            summary: RunSummary = pipeline(**params)
     finally:
         _CONFIG_FILE.reset(token)
     return summary

@@ -8,8 +8,13 @@ artifacts. Reporting never fails a run that wrote its output.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import contextvars
+import logging
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+from uuid import UUID
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.client.schemas.objects import State
@@ -18,7 +23,13 @@ from prefect.runtime import flow_run as rt_flow_run
 from pydantic import BaseModel, ConfigDict
 
 from gridsolve.flows.runtime import deployment_name
-from gridsolve.report.pictures import Caption, config_summary, write_loss_curve, write_quicklook
+from gridsolve.report.pictures import (
+    Caption,
+    config_summary,
+    drawn_before,
+    write_loss_curve,
+    write_quicklook,
+)
 from gridsolve.report.pictures import markdown as quicklook_markdown
 from gridsolve.schemas.artifacts import StageRun
 from gridsolve.schemas.pipeline import PipelineConfig
@@ -148,18 +159,111 @@ def publish(
             deployment=deployment_name(),  # None for a CLI or local run
             config=config_summary(cfg) if cfg is not None else "",
         )
-        picture, png, reused = write_quicklook(summary.output, options, caption)
-        create_markdown_artifact(
-            markdown=quicklook_markdown(png, picture, summary.output, reused=reused),
-            key="gridsolve-quicklook",
-            description="first coefficient and residual RMS maps",
-        )
-        curve = write_loss_curve(summary.output, options)
-        if curve is not None:
-            create_markdown_artifact(
-                markdown=quicklook_markdown(curve[1], curve[0], summary.output, "training loss"),
-                key="gridsolve-loss-curve",
-                description="training and validation loss per epoch",
-            )
+        later = _LATER.get()
+        if later is not None and drawn_before(summary.output, caption) is None:
+            job = _Pictures(str(rt_flow_run.id) if rt_flow_run.id else None)
+            job.start(summary.output, options, caption)
+            later.append(job)
+            return
+        for key, description, markdown in _draw(summary.output, options, caption):
+            create_markdown_artifact(markdown=markdown, key=key, description=description)
     except Exception as exc:  # a picture must never fail a run that wrote its output
-        logger.warning("quick-look picture not made: %s", exc)
+        logger.warning(NOT_MADE, exc)
+
+
+NOT_MADE = "quick-look picture not made: %s"
+
+
+def _draw(
+    output: str, options: Mapping[str, Any] | None, caption: Caption
+) -> list[tuple[str, str, str]]:
+    """The pictures of ``output``, written beside it: (artifact key, description, markdown)."""
+    picture, png, reused = write_quicklook(output, options, caption)
+    out = [
+        (
+            "gridsolve-quicklook",
+            "first coefficient and residual RMS maps",
+            quicklook_markdown(png, picture, output, reused=reused),
+        )
+    ]
+    curve = write_loss_curve(output, options)
+    if curve is not None:
+        out.append(
+            (
+                "gridsolve-loss-curve",
+                "training and validation loss per epoch",
+                quicklook_markdown(curve[1], curve[0], output, "training loss"),
+            )
+        )
+    return out
+
+
+class _Pictures:
+    """A run's pictures drawn on a thread, then published as artifacts of its flow run."""
+
+    def __init__(self, flow_run_id: str | None) -> None:
+        self.flow_run_id = flow_run_id
+        self.drawn: list[tuple[str, str, str]] = []
+        self.error: Exception | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self, output: str, options: Mapping[str, Any] | None, caption: Caption) -> None:
+        """Draw them on a thread (``finish`` publishes them)."""
+
+        def draw() -> None:
+            try:
+                self.drawn = _draw(output, options, caption)
+            except Exception as exc:  # reported by finish, as publish would
+                self.error = exc
+
+        self.thread = threading.Thread(target=draw, name="gridsolve-pictures", daemon=True)
+        self.thread.start()
+
+    def finish(self) -> None:
+        """Wait for the drawing and create its artifacts on the flow run (a warning if not)."""
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import ArtifactCreate
+
+        if self.thread is not None:
+            self.thread.join()
+        try:
+            if self.error is not None:
+                raise self.error
+            with get_client(sync_client=True) as client:
+                run = {"flow_run_id": UUID(self.flow_run_id)} if self.flow_run_id else {}
+                for key, description, markdown in self.drawn:
+                    body = ArtifactCreate(
+                        key=key, type="markdown", description=description, data=markdown, **run
+                    ).model_dump(mode="json", exclude_unset=True)
+                    # The route client.create_artifact posts to, without the event it then
+                    # emits: the run's event worker was drained as the flow run ended, and
+                    # an event sent after that is reported as lost work at exit.
+                    client.request("POST", "/artifacts/", json=body).raise_for_status()
+        except Exception as exc:  # a picture must never fail a run that wrote its output
+            logging.getLogger("gridsolve").warning(NOT_MADE, exc)
+
+
+#: Set by :func:`pictures_after_the_run`: where :func:`publish` leaves its pictures.
+_LATER: contextvars.ContextVar[list[_Pictures] | None] = contextvars.ContextVar(
+    "gridsolve_pictures_later", default=None
+)
+
+
+@contextlib.contextmanager
+def pictures_after_the_run() -> Iterator[None]:
+    """Within, :func:`publish` draws the pictures on a thread, published as the block ends.
+
+    For a run whose process waits for it (the CLI): the drawing (about 1 s of
+    matplotlib for a first picture) overlaps the end of the flow run (its final
+    state, Prefect's heartbeat thread joining, up to 1 s), and the artifacts
+    join the flow run just after it finished. A deployment's run publishes them
+    within the run, as :func:`publish` does outside this block.
+    """
+    jobs: list[_Pictures] = []
+    token = _LATER.set(jobs)
+    try:
+        yield
+    finally:
+        _LATER.reset(token)
+        for job in jobs:
+            job.finish()

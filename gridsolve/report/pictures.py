@@ -147,19 +147,26 @@ def write_quicklook(
     A picture already beside the output and drawn from this very file (see
     :func:`drawn_from`) is returned as it is (``reused``), not drawn again.
     """
-    stamp = drawn_from(output, caption)
-    if stamp is not None:
-        existing = Path(_beside(output, "quicklook"))  # a local file: stamps are local only
-        try:
-            png = existing.read_bytes()
-        except OSError:
-            png = b""
-        if png and png_text(png).get(STAMP_KEY) == stamp:
-            return existing, png, True
+    found = drawn_before(output, caption)
+    if found is not None:
+        return found[0], found[1], True
     from gridsolve.report.drawing import quicklook_figure, to_png
 
-    png = to_png(quicklook_figure(output, options, caption), stamp)
+    png = to_png(quicklook_figure(output, options, caption), drawn_from(output, caption))
     return _write_beside(output, "quicklook", png, options), png, False
+
+
+def drawn_before(output: str | Path, caption: Caption | None) -> tuple[Path, bytes] | None:
+    """The quick look beside ``output`` and its bytes, if drawn from this very file; else None."""
+    stamp = drawn_from(output, caption)
+    if stamp is None:
+        return None
+    existing = Path(_beside(output, "quicklook"))  # a local file: stamps are local only
+    try:
+        png = existing.read_bytes()
+    except OSError:
+        return None
+    return (existing, png) if png and png_text(png).get(STAMP_KEY) == stamp else None
 
 
 def write_loss_curve(

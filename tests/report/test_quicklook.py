@@ -460,3 +460,37 @@ def test_the_loss_curve_is_drawn_only_for_an_output_with_losses(tmp_path: Path) 
     # what cannot be read cheaply is left to the drawing code
     assert _may_hold(tmp_path / "missing.nc", LOSS_VARIABLE)
     assert _may_hold("s3://bucket/out.nc", LOSS_VARIABLE)
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_picture_that_fails_after_the_run_warns_and_the_run_stands(
+    tmp_path: Path, write_cube: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import logging
+
+    from gridsolve.flows import pipeline, reporting
+
+    said: list[str] = []  # Prefect's logging setup replaces the root's handlers (caplog's)
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("gridsolve").addHandler(handler)
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("no fonts here")
+
+    monkeypatch.setattr(reporting, "write_quicklook", broken)
+    cfg = build_config(
+        {
+            "load": {"path": str(write_cube(make_ds()))},
+            "design": {"impl": "polynomial", "degree": 1},
+            "write": {"path": str(tmp_path / "out.nc")},
+            "cache": {"root": str(tmp_path / "cache")},
+        }
+    )
+    try:
+        summary = pipeline.run_config(cfg)  # the CLI's way: pictures drawn as the run ends
+    finally:
+        logging.getLogger("gridsolve").removeHandler(handler)
+    assert Path(summary.output).is_file()
+    assert "quick-look picture not made: no fonts here" in said
+    assert not Path(f"{summary.output}.quicklook.png").exists()
