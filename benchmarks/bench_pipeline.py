@@ -265,7 +265,14 @@ def case_overhead(root: Path, budget: str, repeats: int = 5) -> None:
     subprocess.run([GRIDSOLVE, "deploy", "--project", str(repo)], check=True, capture_output=True)
     raw = yaml.safe_load(cfg.read_text())
     params = {k: raw[k] for k in ("load", "design", "model", "write", "cache", "execution")}
-    env = {**os.environ, "GRIDSOLVE_HOME": str(folder / "home")}
+    # the worker is confined by default (its home's data/ and outputs/): this benchmark's
+    # cube and outputs lie in its own folder, which the worker is told it may use
+    env = {
+        **os.environ,
+        "GRIDSOLVE_HOME": str(folder / "home"),
+        "GRIDSOLVE_ALLOWED_INPUTS": f"{cube.parent} {folder}",
+        "GRIDSOLVE_ALLOWED_ROOTS": str(folder),
+    }
     with open(folder / "worker.log", "wb") as log:
         worker = subprocess.Popen(
             [GRIDSOLVE, "worker"],

@@ -36,6 +36,7 @@ from gridsolve.flows.failures import noting_user_errors
 from gridsolve.flows.reporting import (
     RunSummary,
     StageSummary,
+    finish_pictures,
     pictures_after_the_run,
     publish,
     summary_row,
@@ -701,6 +702,8 @@ def pipeline(
     reads = run_reads(render_paths(cfg, template_values()), _CONFIG_FILE.get())
     # keep_last deletes only outputs this deployment (or local runs) made from this template
     owner = deployment_name() or "local"
+    if getattr(cfg.write, "keep_last", None) is not None:
+        finish_pictures()  # keep_last opens older outputs: not beside the drawing thread
     apply_keep_last(cfg.write, summary.output, started_ns, logger, reads, owner)
     return summary
 

@@ -249,6 +249,17 @@ _LATER: contextvars.ContextVar[list[_Pictures] | None] = contextvars.ContextVar(
 )
 
 
+def finish_pictures() -> None:
+    """Publish now the pictures being drawn for this run, if any.
+
+    For work that opens other outputs (``write.keep_last``): netCDF4 and HDF5
+    are not safe to call from two threads at once.
+    """
+    jobs = _LATER.get()
+    while jobs:
+        jobs.pop(0).finish()
+
+
 @contextlib.contextmanager
 def pictures_after_the_run() -> Iterator[None]:
     """Within, :func:`publish` draws the pictures on a thread, published as the block ends.

@@ -152,7 +152,8 @@ def write_quicklook(
         return found[0], found[1], True
     from gridsolve.report.drawing import quicklook_figure, to_png
 
-    png = to_png(quicklook_figure(output, options, caption), drawn_from(output, caption))
+    stamp = drawn_from(output, caption)  # before drawing: a file replaced meanwhile differs
+    png = to_png(quicklook_figure(output, options, caption), stamp)
     return _write_beside(output, "quicklook", png, options), png, False
 
 

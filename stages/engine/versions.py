@@ -347,7 +347,10 @@ def _library_package(top: str) -> bool:
             return False
         if spec is None:
             return False
-        origin = spec.origin or next(iter(spec.submodule_search_locations or []), None)
+        if spec.origin is None:  # a namespace package: a library only if every portion is
+            portions = list(spec.submodule_search_locations or [])
+            return bool(portions) and all(_is_library(p) for p in portions)
+        origin = spec.origin
     return isinstance(origin, str) and _is_library(origin)
 
 

@@ -49,6 +49,7 @@ _DIGEST_LOCK = threading.Lock()
 
 def _digest_file(path: str, cache: Path | None) -> tuple[dict[str, int], str]:
     """(identity, xxh3-128 of the bytes) of one file; the digest reused while the identity holds."""
+    seen = time.time_ns()  # before the identity: see "racy" below
     ident = file_identity(path)
     entry = cache / f"{hash_text(path)}.json" if cache is not None else None
     if entry is not None and entry.exists():
@@ -63,7 +64,7 @@ def _digest_file(path: str, cache: Path | None) -> tuple[dict[str, int], str]:
         return file_identity(path), hash_file(path)
     # A file changed within the file system's timestamp resolution of now could change
     # again with the same identity (coarse mtime/ctime): hash it again next time ("racy").
-    settled = time.time_ns() - max(ident["mtime_ns"], ident["ctime_ns"]) > RACY_NS
+    settled = seen - max(ident["mtime_ns"], ident["ctime_ns"]) > RACY_NS
     if entry is not None and settled:
         with _DIGEST_LOCK:
             try:

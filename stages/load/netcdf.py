@@ -63,14 +63,15 @@ def _file_digest(
     from gridsolve.stages.engine.versions import package_versions
 
     folder = Path(ctx.store.root) / "scan-digests"
-    versions = canonical_json([code_version(decl_for(config)), package_versions()])
+    libraries = {**package_versions(), **scanmemo.decoding_versions()}
+    versions = canonical_json([code_version(decl_for(config)), libraries])
     got = scanmemo.remembered(folder, nc, path, versions)
     if got is not None:
         return got
     from gridsolve.stages.load.reading import scan_file
 
     scan = scan_file(nc, path)  # memoised in this process: run() reuses it
-    scanmemo.remember(folder, nc, path, versions, scan.identity, scan.digest)
+    scanmemo.remember(folder, nc, path, versions, scan.identity, scan.digest, scan.began_ns)
     return scan.identity, scan.digest
 
 

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import functools
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,8 @@ class Scan:
     output: StageOutput
     #: the file's identity (``file_identity``) when its scan began
     identity: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: when the scan began (ns since the epoch), just after its identity was taken
+    began_ns: int = 0
 
 
 def scan_netcdf(config: NetCDFLoad, path: str) -> Scan:
@@ -74,6 +77,7 @@ def _scan_or_refusal(config_json: str, base_json: str, ident_json: str) -> Scan 
     A refusal is memoised too (per file state), so the run's second look neither
     reads the file again nor repeats its warnings.
     """
+    began = time.time_ns()
     # key_payload leaves the path out (the key covers the content instead).
     base = Source.from_description(json.loads(base_json))
     config = NetCDFLoad.model_validate({**json.loads(config_json), "path": base.path})
@@ -88,7 +92,7 @@ def _scan_or_refusal(config_json: str, base_json: str, ident_json: str) -> Scan 
         return e.with_traceback(None)
     finally:
         base.close(ds)
-    return dataclasses.replace(scan, identity=json.loads(ident_json))
+    return dataclasses.replace(scan, identity=json.loads(ident_json), began_ns=began)
 
 
 def _scan(config: NetCDFLoad, ds: xr.Dataset, path: Source, var: str) -> Scan:

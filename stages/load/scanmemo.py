@@ -17,9 +17,10 @@ skips no refusal: a file that was refused is scanned (and refused) again.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 import threading
-import time
 from pathlib import Path
 
 from gridsolve.schemas.kinds.load import NetCDFLoad
@@ -31,6 +32,18 @@ from gridsolve.stages.engine.paths import atomic_file
 #: NFSv4 keep nanoseconds).
 RACY_NS = 2_000_000_000
 _LOCK = threading.Lock()
+
+
+@functools.cache
+def decoding_versions() -> dict[str, str]:
+    """Versions of the libraries that decode times into the hashed values (besides the key's)."""
+    out = {}
+    for name in ("pandas", "cftime"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
 
 
 def _entry(folder: Path, config: NetCDFLoad, path: str, versions: str) -> Path:
@@ -54,15 +67,25 @@ def remembered(
 
 
 def remember(
-    folder: Path, config: NetCDFLoad, path: str, versions: str, ident: dict[str, int], digest: str
+    folder: Path,
+    config: NetCDFLoad,
+    path: str,
+    versions: str,
+    ident: dict[str, int],
+    digest: str,
+    began_ns: int,
 ) -> None:
-    """Record ``digest`` of ``path`` scanned at ``ident``, unless the file is racy or changed."""
+    """Record ``digest`` of ``path`` scanned at ``ident``, unless the file is racy or changed.
+
+    ``began_ns``: when the scan took ``ident``. A file changed within RACY_NS before
+    that could have changed again during the scan without a new identity.
+    """
     try:
         if file_identity(path) != ident:  # changed since its scan began
             return
     except OSError:
         return
-    if time.time_ns() - max(ident["mtime_ns"], ident["ctime_ns"]) <= RACY_NS:
+    if began_ns - max(ident["mtime_ns"], ident["ctime_ns"]) <= RACY_NS:
         return
     entry = _entry(folder, config, path, versions)
     with _LOCK:

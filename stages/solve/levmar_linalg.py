@@ -104,7 +104,15 @@ def lmpar(
         if idx.numel() == 0:
             break
         x_i, par_i, stop, parl_i, paru_i, fp_i = _lmpar_iteration(
-            R[idx], diag[idx], qtb[idx], delta[idx], par[idx], parl[idx], paru[idx], fp[idx]
+            R[idx],
+            diag[idx],
+            qtb[idx],
+            delta[idx],
+            par[idx],
+            parl[idx],
+            paru[idx],
+            fp[idx],
+            last=it == 10,
         )
         x[idx], fp[idx], parl[idx], paru[idx] = x_i, fp_i, parl_i, paru_i
         par[idx] = par_i
@@ -121,11 +129,13 @@ def _lmpar_iteration(
     parl: torch.Tensor,
     paru: torch.Tensor,
     fp_old: torch.Tensor,
+    last: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """One Newton iteration of ``lmpar`` on λ: (x, λ, stop, parl, paru, fp).
 
-    Where ``stop`` the returned λ is the one ``x`` was solved with; elsewhere it
-    is the next λ to try.
+    Where ``stop``, and everywhere on the ``last`` iteration (MINPACK's tenth,
+    after which it returns), the returned λ is the one ``x`` was solved with;
+    elsewhere it is the next λ to try.
     """
     tiny = torch.finfo(R.dtype).tiny
     par = torch.where(par == 0, torch.clamp(0.001 * paru, min=tiny), par)
@@ -141,7 +151,7 @@ def _lmpar_iteration(
     par_new = torch.maximum(parl_new, par + parc)
     return (
         x,
-        torch.where(stop, par, par_new),
+        par if last else torch.where(stop, par, par_new),
         stop,
         torch.where(stop, parl, parl_new),
         torch.where(stop, paru, paru_new),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +126,21 @@ def test_an_unreadable_entry_costs_a_scan(ctx: Any, cube_path: Path, scans: list
     entry.write_text("{not json")
     assert fingerprint(cfg, ctx)["content"] == key
     assert len(scans) == 2
+
+
+def test_racy_is_judged_from_when_the_scan_began(
+    ctx: Any, cube_path: Path, scans: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a file written just before a long scan is still racy when the scan ends: what counts
+    # is the time its identity was taken, not the time the digest is recorded
+    real = reading.scan_file
+
+    def slow(nc: NetCDFLoad, path: str) -> Any:
+        got = real(nc, path)
+        later = got.began_ns + 10 * scanmemo.RACY_NS  # the scan took 20 s
+        monkeypatch.setattr(time, "time_ns", lambda: later)
+        return got
+
+    monkeypatch.setattr(reading, "scan_file", slow)
+    fingerprint(NetCDFLoad(path=str(cube_path)), ctx)
+    assert entries(ctx) == []
