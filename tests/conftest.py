@@ -77,6 +77,17 @@ def ctx(store: Any) -> Any:
     return StageContext(store=store, memory_budget=256 * 2**20)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a module's tests (the machine is shared; their fits are small)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------- prefect server
 @pytest.fixture(scope="session")
 def prefect_server() -> Iterator[LocalServer]:

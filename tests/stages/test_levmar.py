@@ -19,7 +19,7 @@ negligible (1e-5).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,13 +37,7 @@ P0_SEASON = np.array([0.2, 0.5, 0.08, 120.0, 0.07, 275.0])
 REGULAR, FLAT, SPARSE = 180, 10, 10  # pixels of the season cube, in this order
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # the machine is shared; the fits here are small
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def season(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

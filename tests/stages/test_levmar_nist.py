@@ -11,8 +11,6 @@ status). Which ones are flagged is recorded below, so a change shows up here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import nist_nonlinear as nist
 import numpy as np
 import pytest
@@ -34,12 +32,7 @@ FLAGGED = {
 SD_OUT_OF_REACH = {"Lanczos1": 2.5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.slow  # about 25 s on a loaded 2-core machine
