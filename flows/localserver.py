@@ -119,12 +119,21 @@ def supervise(
 #: Running for good. A week covers any outage an operator sits out; expired buckets are
 #: one row per run and automation. An operator's own value is kept.
 BUCKET_BUFFER_ENV, BUCKET_BUFFER = "PREFECT_SERVER_EVENTS_EXPIRED_BUCKET_BUFFER", "P7D"
+#: The database's statement and connection timeouts (Prefect's defaults: 10 s and 5 s).
+#: A team's server on a small machine with many runs at once answered a flow run's call
+#: with a 500 and failed that run (20 runs at once on 2 busy cores, PostgreSQL); a slow
+#: answer is better than a failed run. The operator's own values win.
+DB_TIMEOUTS = {
+    "PREFECT_SERVER_DATABASE_TIMEOUT": "60",
+    "PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT": "30",
+}
 
 
 def server_env(home: Path, api: str, scheduler_seconds: int | None = None) -> dict[str, str]:
     """Environment of a `prefect server start` process."""
     env = {
         BUCKET_BUFFER_ENV: BUCKET_BUFFER,
+        **DB_TIMEOUTS,
         **os.environ,
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
