@@ -471,6 +471,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     """
     from gridsolve.schemas.kinds.load import NetCDFLoad
     from gridsolve.schemas.kinds.model import ModuleModel
+    from gridsolve.schemas.kinds.solve import CurvefitSolve
     from gridsolve.schemas.reading import config_to_yaml, load_config
     from gridsolve.stages.engine import storage
     from gridsolve.stages.engine.overlap import refuse_destructive_outputs
@@ -491,6 +492,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         from gridsolve.stages.model.building import import_target
 
         import_target(cfg.model.target, "model")
+    if isinstance(cfg.solve, CurvefitSolve):  # imported and tried on one pixel, as a run does
+        from gridsolve.stages.solve.curvefit import check_function
+
+        check_function(cfg.solve)
     print(config_to_yaml(cfg), end="")
     print("config is valid")
     return 0

@@ -244,7 +244,7 @@ class _Progress:
 def config(
     *,
     load: Section,
-    design: Section,
+    design: Section | None = None,
     normal_equations: Section | None = None,
     solve: Section | None = None,
     train: Section | None = None,
@@ -258,8 +258,9 @@ def config(
     ``config(...).to_yaml()`` is the YAML file to schedule what a notebook fitted.
     Raises one :class:`ConfigError` with every problem, as the CLI prints it.
     """
-    raw: dict[str, Any] = {"load": _as_section(load), "design": _as_section(design)}
+    raw: dict[str, Any] = {"load": _as_section(load)}
     for name, value in (
+        ("design", design),
         ("normal_equations", normal_equations),
         ("solve", solve),
         ("train", train),
@@ -317,7 +318,7 @@ def _run_plan(cfg: PipelineConfig, *, keep: bool, progress: bool) -> tuple[xr.Da
 def fit(
     data: xr.DataArray | xr.Dataset,
     *,
-    design: Section,
+    design: Section | None = None,
     normal_equations: Section | None = None,
     solve: Section | None = None,
     model: Section | None = None,
@@ -336,7 +337,8 @@ def fit(
 
     ``data`` is a DataArray (or a Dataset, with ``variable`` naming the cube when it has
     several) with an observation dim and two grid dims, in memory or dask-backed. Stage
-    arguments are the YAML sections, as dicts or configs; no ``model`` runs no model.
+    arguments are the YAML sections, as dicts or configs; no ``model`` runs no model;
+    ``solve={"impl": "curvefit", ...}`` fits a function of your own and takes no ``design``.
     ``weights``/``target`` are DataArrays on the data's grid or names of variables of
     ``data``; ``obs_dim``/``y_dim``/``x_dim`` name dims the CF metadata do not. With
     ``cache`` a folder, stage outputs are stored there under the CLI's keys; without,

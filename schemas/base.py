@@ -198,6 +198,9 @@ class StageConfig(NoBoolNumbers):
 
     #: the stage kind this config belongs to; set by each concrete family.
     kind: ClassVar[str] = ""
+    #: other kinds' ``impl`` when a run with this config leaves their section out
+    #: (``solve: curvefit`` reads no design: ``{"design": "none"}``)
+    implies: ClassVar[Mapping[str, str]] = {}
 
     @classmethod
     def speed_fields(cls) -> frozenset[str]:

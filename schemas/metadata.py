@@ -38,6 +38,16 @@ class Meta(BaseModel):
         return cls.model_validate(dict(meta))
 
 
+class Labelled(Meta):
+    """What any tiled stage's prepared metadata may hold: names along the dims it labels.
+
+    ``dim_labels``: dim → one name per index (curvefit's ``param``); the writers
+    write them as that dim's coordinate and a ``<dim>_name`` label variable.
+    """
+
+    dim_labels: dict[str, list[str]] = Field(default_factory=dict)
+
+
 # ---------------------------------------------------------------- load
 class AuxInfo(BaseModel):
     """One helper variable the load stage read beside the cube (design, weights or target)."""
@@ -196,6 +206,19 @@ class SolvePrepared(Meta):
     uncertainty: str = "none"
     #: ``residual``: covariances scaled by the residual variance; ``unscaled``: known errors
     cov_scale: str = "residual"
+    #: the meaning of each ``status`` code, where the implementation has its own
+    #: (``curvefit``); None: the linear solve's (``schemas.contracts.STATUS_FLAGS``)
+    status_flags: dict[int, str] | None = None
+
+
+class CurvefitPrepared(SolvePrepared):
+    """The ``curvefit`` solve's own prepared metadata: the function and its parameters."""
+
+    #: the import path of the user's function (``solve.target``)
+    target: str
+    params: list[str]
+    #: what the function receives as t (``solve.t``)
+    t: str
 
 
 class SolveTile(Meta):

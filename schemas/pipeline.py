@@ -157,6 +157,31 @@ class PipelineConfig(BaseModel):
     cache: CacheConfig = CacheConfig()
     execution: ExecutionConfig = ExecutionConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _implied_sections(cls, data: Any) -> Any:
+        """Sections a given stage implies when left out (``solve: curvefit``: no design).
+
+        Each config class says which (``StageConfig.implies``); a section given
+        explicitly is kept, and its cross-stage rules judge it.
+        """
+        if not isinstance(data, Mapping):
+            return data
+        out = dict(data)
+        for kind, mark in _stage_kinds().items():
+            value = data.get(kind)
+            impl = (
+                value.impl
+                if isinstance(value, StageConfig)
+                else value.get("impl", mark.default_impl)
+                if isinstance(value, Mapping)
+                else mark.default_impl
+            )
+            conf_cls = _config_classes(kind).get(str(impl))
+            for other, other_impl in (conf_cls.implies if conf_cls is not None else {}).items():
+                out.setdefault(other, {"impl": other_impl})
+        return out
+
     @model_validator(mode="after")
     def _cross_stage(self) -> PipelineConfig:
         problems = cross_stage_problems(self.stage_configs())

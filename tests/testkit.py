@@ -139,3 +139,43 @@ def run_yaml(cfg: Path, raw: dict[str, Any]) -> subprocess.CompletedProcess[str]
         timeout=900,
         env=dict(os.environ),
     )
+
+
+# ---------------------------------------------------------------- nonlinear fits
+def season_np(t: np.ndarray, *p: float) -> np.ndarray:
+    """Double logistic NDVI season (my_curves.season in numpy): green-up p[3], senescence p[5]."""
+    up = 1 / (1 + np.exp(-p[2] * (t - p[3])))
+    down = 1 / (1 + np.exp(-p[4] * (t - p[5])))
+    out: np.ndarray = p[0] + p[1] * (up - down)
+    return out
+
+
+def season_jac(t: np.ndarray, *p: float) -> np.ndarray:
+    """The exact Jacobian of :func:`season_np` (obs, 6)."""
+    _, b, c, d, e, g = p
+    up = 1 / (1 + np.exp(-c * (t - d)))
+    down = 1 / (1 + np.exp(-e * (t - g)))
+    dup, ddown = up * (1 - up), down * (1 - down)
+    cols = [np.ones_like(t), up - down, b * dup * (t - d), -b * dup * c]
+    return np.stack([*cols, -b * ddown * (t - g), b * ddown * e], axis=1)
+
+
+def ndvi_cube(ny: int = 6, nx: int = 8, seed: int = 0) -> xr.DataArray:
+    """(time, lat, lon) NDVI: a year of 8-day composites, 20 % gaps, two flat pixels, one empty."""
+    rng = np.random.default_rng(seed)
+    time = pd.date_range("2021-01-01", periods=46, freq="8D")
+    t = np.arange(46) * 8.0
+    lo, hi = np.array([0.1, 0.3, 0.05, 100, 0.04, 250]), np.array([0.3, 0.6, 0.12, 140, 0.1, 300])
+    truth = rng.uniform(lo, hi, (ny, nx, 6))
+    truth[0, :2, 1] = 0.0  # no season: amplitude and timing are not identifiable
+    y = np.stack([[season_np(t, *truth[i, j]) for j in range(nx)] for i in range(ny)])
+    y = y + rng.normal(0, 0.03, y.shape)
+    y[rng.random(y.shape) < 0.2] = np.nan
+    y[1, 1, :] = np.nan  # a pixel with nothing observed
+    return xr.DataArray(
+        np.moveaxis(y, -1, 0),
+        dims=("time", "lat", "lon"),
+        coords={"time": time, "lat": np.linspace(50, 45, ny), "lon": np.linspace(5, 12, nx)},
+        name="ndvi",
+        attrs={"units": "1", "long_name": "NDVI"},
+    )

@@ -346,17 +346,18 @@ def _panels(full: xr.Dataset) -> tuple[list[Panel], Axis, Axis]:
     def grid(var: xr.DataArray) -> np.ndarray:
         return np.asarray(var.transpose(ydim, xdim).values, dtype=np.float64)
 
-    coef_var = plane["coefficients"]
+    # a linear fit's coefficients, or a nonlinear fit's parameters (solve: curvefit)
+    fitted_name, label_name, what = (
+        ("coefficients", "coef_name", "coefficients of column")
+        if "coefficients" in plane
+        else ("params", "param_name", "fitted parameter")
+    )
+    coef_var = plane[fitted_name]
     coef_dim = str(coef_var.dims[0])
     coefs = coef_var.isel(thin).transpose(coef_dim, ydim, xdim)
-    labels = plane["coef_name"] if "coef_name" in plane.coords else plane.get(coef_dim)
+    labels = plane[label_name] if label_name in plane.coords else plane.get(coef_dim)
     name = str(labels.values[0]) if labels is not None else "0"
-    panels = [
-        Panel(
-            grid(coefs.isel({coef_dim: 0})),
-            _title(f"coefficients of column '{name}'", coef_var, where),
-        )
-    ]
+    panels = [Panel(grid(coefs.isel({coef_dim: 0})), _title(f"{what} '{name}'", coef_var, where))]
     second, reason = _residual_panel(plane, coefs, thin)
     panels.append(Panel(grid(second), _title(str(second.name), second, where, reason)))
     trend = significant_trend(plane)

@@ -71,7 +71,22 @@ class RandomDesign(DesignConfig):
     seed: int = Field(0, ge=0, description="Random seed.")
 
 
+class NoDesign(StageConfig):
+    """No design: the solve fits a function of its own (``solve: {impl: curvefit}``)."""
+
+    model_config = ConfigDict(title="No design")
+
+    kind: ClassVar[str] = "design"
+    impl: Literal["none"] = "none"
+
+    @property
+    def active(self) -> bool:
+        """Never: a ``none`` design is left out of the plan, and no design matrix is written."""
+        return False
+
+
 for _builtin in (
+    NoDesign,
     VariableDesign,
     PolynomialDesign,
     HarmonicDesign,

@@ -24,5 +24,19 @@ class SVDNormalEquations(NormalEquationsConfig):
     impl: Literal["svd"] = "svd"
 
 
-for _builtin in (SVDNormalEquations,):
+class NoNormalEquations(StageConfig):
+    """No normal equations: the solve needs none (``solve: {impl: curvefit}``)."""
+
+    model_config = ConfigDict(title="No normal equations")
+
+    kind: ClassVar[str] = "normal_equations"
+    impl: Literal["none"] = "none"
+
+    @property
+    def active(self) -> bool:
+        """Never: left out of the plan."""
+        return False
+
+
+for _builtin in (SVDNormalEquations, NoNormalEquations):
     catalog.add(_builtin)

@@ -20,13 +20,14 @@ from gridsolve.schemas.contracts import ArraySpec
 from gridsolve.schemas.errors import ContractError, InputError
 from gridsolve.schemas.kinds.design import (
     HarmonicDesign,
+    NoDesign,
     PolynomialDesign,
     RandomDesign,
     VariableDesign,
 )
 from gridsolve.schemas.metadata import DesignMeta, LoadMeta
 from gridsolve.stages.engine.context import StageContext
-from gridsolve.stages.engine.registry import StageDecl, register
+from gridsolve.stages.engine.registry import StageDecl, register, register_none
 from gridsolve.stages.engine.store import Artifact, StageOutput
 
 VERSION = "1"
@@ -360,3 +361,11 @@ for _impl, _cfg, _fn, _summary in (
             summary=_summary,
         )
     )
+
+
+register_none(
+    "design",
+    NoDesign,
+    VERSION,
+    "no design: the solve fits a function of its own (solve impl curvefit)",
+)

@@ -76,11 +76,12 @@ class OutputContext:
     """What a kind describes its variables from: its artifact and the grid's.
 
     ``load`` describes the cube (its dims, the data's units), ``design`` the
-    design's columns; ``own`` is the describing kind's tiled artifact.
+    design's columns (None: the run has no design, ``solve: curvefit``); ``own`` is
+    the describing kind's tiled artifact.
     """
 
     load: Artifact
-    design: Artifact
+    design: Artifact | None
     own: TiledArtifact
 
     @property
@@ -90,7 +91,9 @@ class OutputContext:
 
     @property
     def design_meta(self) -> DesignMeta:
-        """The design's metadata, typed."""
+        """The design's metadata, typed (a run without a design has none to read)."""
+        if self.design is None:
+            raise KeyError("the run has no design")
         return DesignMeta.of(self.design)
 
     @property
@@ -167,8 +170,13 @@ def squared_unit(units: str) -> str | None:
     return f"({units})2" if " " in units else f"{units}2"
 
 
-def coefficient_units(load: Artifact, design: Artifact) -> list[str | None]:
-    """Units of each coefficient: the data's units over its design column's (None: unknown)."""
+def coefficient_units(load: Artifact, design: Artifact | None) -> list[str | None]:
+    """Units of each coefficient: the data's units over its design column's (None: unknown).
+
+    No design (``solve: curvefit``): no coefficients, an empty list.
+    """
+    if design is None:
+        return []
     units = LoadMeta.of(load).attrs.get("units")
     typed = DesignMeta.of(design)
     cols = typed.column_units or [None] * len(typed.columns)

@@ -120,9 +120,10 @@ def ensure_module_allowed(module: str, stage: str | None = None) -> None:
     allowed = _listed(ALLOWED_MODULES_ENV)
     if not allowed:
         return
+    field = "solve" if (stage or "").startswith("solve") else "model"
     if not any(module == a or module.startswith(a + ".") for a in allowed):
         raise ConfigError(
-            f"model.target module {module!r} is not one this worker may import",
+            f"{field}.target module {module!r} is not one this worker may import",
             stage=stage,
             expected=f"a module under {' '.join(allowed)} ({ALLOWED_MODULES_ENV})",
             found=module,

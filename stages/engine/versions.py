@@ -32,6 +32,7 @@ import functools
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import site
@@ -414,3 +415,19 @@ def code_digest(roots: Iterable[str]) -> str:
     digest = hash_text(canonical_json(module_digests(roots)))
     save_memo()
     return digest
+
+
+def user_code_digest(obj: object, target: str) -> str:
+    """Digest of the source a user's class or function runs: its module and local imports.
+
+    Defined where there is no source file (an interactive session): its own source,
+    or failing that its import path.
+    """
+    module = str(getattr(obj, "__module__", target.partition(":")[0]))
+    digests = module_digests([module])
+    if digests.get(module, "no source") == "no source":
+        try:
+            digests[module] = hash_text(inspect.getsource(obj))  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            digests[module] = hash_text(target)
+    return hash_text(canonical_json(digests))

@@ -48,8 +48,8 @@ def fingerprint(config: ModelConfig, ctx: StageContext) -> dict[str, str]:
         out["weights"] = file_digest(config.weights)
     if isinstance(config, ModuleModel):
         # A user's module needs torch anyway; the built-in model's key needs none.
+        from gridsolve.stages.engine.versions import user_code_digest
         from gridsolve.stages.model.building import import_target
-        from gridsolve.stages.model.vmapped import user_code_digest
 
         cls = import_target(config.target, _stage(config))
         out["code"] = user_code_digest(cls, config.target)

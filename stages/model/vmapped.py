@@ -27,7 +27,6 @@ vmapped functions), ``chunk_kernel.py`` (one chunk of pixels), ``compiled.py``
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 
 import numpy as np
@@ -39,9 +38,7 @@ from gridsolve.schemas.contracts import MODEL_STATUS_CODES
 from gridsolve.schemas.kinds.model import ModelConfig
 from gridsolve.schemas.metadata import DesignMeta
 from gridsolve.stages.engine.context import StageContext
-from gridsolve.stages.engine.hashing import canonical_json, hash_text
 from gridsolve.stages.engine.store import Artifact, StageOutput
-from gridsolve.stages.engine.versions import module_digests
 from gridsolve.stages.model.building import (
     _stage,
     apply_weights,
@@ -65,19 +62,6 @@ from gridsolve.stages.model.tile_run import (
     _tile_outputs,
     _tile_result,
 )
-
-
-def user_code_digest(cls: type, target: str) -> str:
-    """Digest of the source a user's model runs: its module and the local modules it imports."""
-    module = cls.__module__
-    digests = module_digests([module])
-    if digests.get(module, "no source") == "no source":
-        # Defined where there is no source file (an interactive session).
-        try:
-            digests[module] = hash_text(inspect.getsource(cls))
-        except (OSError, TypeError):
-            digests[module] = hash_text(target)
-    return hash_text(canonical_json(digests))
 
 
 def prepare(config: ModelConfig, inputs: Mapping[str, Artifact], ctx: StageContext) -> StageOutput:

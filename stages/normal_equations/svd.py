@@ -16,10 +16,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from gridsolve.schemas.kinds.normal_equations import SVDNormalEquations
+from gridsolve.schemas.kinds.normal_equations import NoNormalEquations, SVDNormalEquations
 from gridsolve.stages.design.builtin import conditioning
 from gridsolve.stages.engine.context import StageContext
-from gridsolve.stages.engine.registry import StageDecl, register
+from gridsolve.stages.engine.registry import StageDecl, register, register_none
 from gridsolve.stages.engine.store import Artifact, StageOutput
 
 VERSION = "1"
@@ -54,4 +54,12 @@ register(
         inputs=("design", "load"),
         summary="float64 SVD of the (weighted) shared design",
     )
+)
+
+
+register_none(
+    "normal_equations",
+    NoNormalEquations,
+    VERSION,
+    "no normal equations: the solve needs none (solve impl curvefit)",
 )

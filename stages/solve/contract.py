@@ -14,8 +14,9 @@ CONTRACT = add(
         parts={
             "prepare": PartContract(meta=SolvePrepared),
             "tile": PartContract(
+                # what every solve makes; an implementation's own (lstsq's coefficients,
+                # curvefit's params) are in its StageDecl.outputs
                 arrays={
-                    "coefficients": ArraySpec(("coef", "y", "x"), "f", "fitted coefficients"),
                     "residual_rms": ArraySpec(("y", "x"), "f", "RMS of the residuals"),
                     "n_valid": ArraySpec(("y", "x"), "iu", "valid observations used"),
                     "status": ArraySpec(("y", "x"), "iu", "solve status flag"),

@@ -75,7 +75,9 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
     coef_units = ctx.coefficient_units()
     uniform = uniform_unit(coef_units)
     # the shared design's undetermined coefficients (see _undetermined_nan)
-    shared = SolvePrepared.of(ctx.own).undetermined_columns
+    prepared = SolvePrepared.of(ctx.own)
+    shared = prepared.undetermined_columns
+    flags = prepared.status_flags or STATUS_FLAGS
     out = [
         OutputVariable(
             "coefficients",
@@ -109,12 +111,13 @@ def variables(ctx: OutputContext) -> list[OutputVariable]:
             "solve",
             "status",
             ("y", "x"),
-            flag_attrs("solve status", STATUS_FLAGS),
+            flag_attrs("solve status", flags),
         ),
         *_uncertainty_variables(ctx.own, uniform),
-        *_trend_variables(ctx.design, units, shared, ctx.own),
-        *_harmonic_variables(ctx.design, units, shared),
     ]
+    if ctx.design is not None:  # what a design's columns make meaningful
+        out += _trend_variables(ctx.design, units, shared, ctx.own)
+        out += _harmonic_variables(ctx.design, units, shared)
     return out
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from gridsolve.schemas.errors import ContractError
 from gridsolve.schemas.kinds.write import NetCDFWrite, ZarrWrite
-from gridsolve.schemas.metadata import DesignMeta, LoadMeta
+from gridsolve.schemas.metadata import DesignMeta, Labelled, LoadMeta
 from gridsolve.stages.engine import registry
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.contract import contract_of
@@ -80,7 +80,7 @@ def chunk_alignment(cfg: NetCDFWrite | ZarrWrite, y_dim: str, x_dim: str) -> tup
 
 def output_variables(
     load: Artifact,
-    design: Artifact,
+    design: Artifact | None,
     tiled: Mapping[str, TiledArtifact],
     layout: str = "nested",
 ) -> list[OutputVariable]:
@@ -107,6 +107,7 @@ def output_variables(
     kept = [dataclasses.replace(v, attrs=dict(v.attrs)) for v in described if v.made(tiled)]
     kept += contract_variables(tiled, described)
     labels = " ".join(_coef_labels(coefficient_units(load, design)))
+    dims_named = dim_labels(tiled)
     # the input's scalar and 2-D grid coordinates apply to every variable on the grid
     carried = [*grid.grid_coords, *grid.scalar_coords]
     for v in kept:
@@ -118,6 +119,7 @@ def output_variables(
             )
         v.dims = (*v.dims[:-2], y, x)
         named = [labels] if "coef" in v.dims else []
+        named += [f"{d}_name" for d in v.dims if d in dims_named]
         if layout == "flat" and len(v.dims) > 3:
             v.flat_from = v.dims[:-2]
             v.dims = (f"{v.name}_index", y, x)
@@ -164,14 +166,34 @@ def _design_attrs(design: Artifact) -> dict[str, Any]:
     return design_attrs
 
 
-def skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.Dataset:
-    """Coordinates, bounds, coef labels and the design matrix, encoded as CF wants them."""
+def dim_labels(tiled: Mapping[str, TiledArtifact]) -> dict[str, list[str]]:
+    """Names along the dims tiled stages label themselves (curvefit's ``param``).
+
+    From each stage's prepared metadata (``dim_labels``: dim → one name per index).
+    """
+    out: dict[str, list[str]] = {}
+    for art in tiled.values():
+        out.update(Labelled.of(art.prepared).dim_labels)
+    return out
+
+
+def skeleton(
+    load: Artifact,
+    design: Artifact | None,
+    attrs: Mapping[str, Any],
+    labels: Mapping[str, Sequence[str]] | None = None,
+) -> xr.Dataset:
+    """Coordinates, bounds, coef labels and the design matrix, encoded as CF wants them.
+
+    A run without a design (``solve: curvefit``) has no coef labels and no design
+    matrix. ``labels``: names along dims the stages label (:func:`dim_labels`),
+    written as an index coordinate and a ``<dim>_name`` one.
+    """
     import xarray as xr
 
     meta = LoadMeta.of(load)
     obs_dim, y, x = meta.obs_dim, meta.y_dim, meta.x_dim
     cf = meta.coord_cf
-    cols = DesignMeta.of(design).columns
     coords: dict[str, Any] = {}
     bounds: dict[str, Any] = {}
     roles = [("obs", obs_dim), ("y", y), ("x", x)]
@@ -191,6 +213,36 @@ def skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.D
         coords[name] = ((), value, dict(info["attrs"]))
     for name, info in meta.grid_coords.items():
         coords[name] = ((y, x), np.asarray(load.array(f"aux:{name}")), dict(info["attrs"]))
+    for dim, names in (labels or {}).items():
+        coords[dim] = (dim, np.arange(len(names), dtype=np.int32), {"long_name": dim, "units": "1"})
+        coords[f"{dim}_name"] = (dim, np.array(names, dtype=str), {"long_name": f"{dim} name"})
+    variables: dict[str, Any] = {}
+    if design is not None:  # first: the files' order of variables as before runs without one
+        variables[DESIGN_VARIABLE] = _design_coords(load, design, coords)
+    variables.update({name: (dims, values, {}) for name, (dims, values) in bounds.items()})
+    ds = xr.Dataset(variables, coords=coords, attrs=dict(attrs))
+    # CF 2.5.1: coordinate variables (and their bounds) carry no _FillValue.
+    for name in (*coords, *bounds):
+        ds[name].encoding["_FillValue"] = None
+    for name in ("coef_name", "coef_units", *(f"{d}_name" for d in labels or {})):
+        if name in ds:
+            ds[name].encoding.update(dtype="S1", char_dim_name=f"{name}_strlen")
+    enc = (cf.get("obs") or {}).get("encoding") or {}
+    if enc and np.issubdtype(ds[obs_dim].dtype, np.datetime64):
+        # The input's time encoding: units, calendar and dtype (bounds share it, CF 7.1).
+        time_enc = {k: (np.dtype(v) if k == "dtype" else v) for k, v in enc.items()}
+        ds[obs_dim].encoding.update(time_enc)
+        obs_bounds = (cf.get("obs") or {}).get("bounds")
+        if obs_bounds and obs_bounds["name"] in ds:
+            ds[obs_bounds["name"]].encoding.update(time_enc)
+    return ds
+
+
+def _design_coords(
+    load: Artifact, design: Artifact, coords: dict[str, Any]
+) -> tuple[tuple[str, str], np.ndarray, dict[str, Any]]:
+    """Add the coef (and harmonic) coordinates to ``coords``; the design matrix variable."""
+    cols = DesignMeta.of(design).columns
     coords["coef"] = (
         "coef",
         np.arange(len(cols), dtype=np.int32),
@@ -214,30 +266,8 @@ def skeleton(load: Artifact, design: Artifact, attrs: Mapping[str, Any]) -> xr.D
             np.array([u or "" for u in coef_units], dtype=str),
             {"long_name": "units of each design column's coefficient", "comment": "empty: unknown"},
         )
-    design_attrs = _design_attrs(design)
-    ds = xr.Dataset(
-        {
-            DESIGN_VARIABLE: ((obs_dim, "coef"), np.asarray(design.array("A")), design_attrs),
-            **{name: (dims, values, {}) for name, (dims, values) in bounds.items()},
-        },
-        coords=coords,
-        attrs=dict(attrs),
-    )
-    # CF 2.5.1: coordinate variables (and their bounds) carry no _FillValue.
-    for name in (*coords, *bounds):
-        ds[name].encoding["_FillValue"] = None
-    for name in ("coef_name", "coef_units"):
-        if name in ds:
-            ds[name].encoding.update(dtype="S1", char_dim_name=f"{name}_strlen")
-    enc = (cf.get("obs") or {}).get("encoding") or {}
-    if enc and np.issubdtype(ds[obs_dim].dtype, np.datetime64):
-        # The input's time encoding: units, calendar and dtype (bounds share it, CF 7.1).
-        time_enc = {k: (np.dtype(v) if k == "dtype" else v) for k, v in enc.items()}
-        ds[obs_dim].encoding.update(time_enc)
-        obs_bounds = (cf.get("obs") or {}).get("bounds")
-        if obs_bounds and obs_bounds["name"] in ds:
-            ds[obs_bounds["name"]].encoding.update(time_enc)
-    return ds
+    obs_dim = LoadMeta.of(load).obs_dim
+    return (obs_dim, "coef"), np.asarray(design.array("A")), _design_attrs(design)
 
 
 def flat_labels(v: OutputVariable, lead: tuple[int, ...]) -> list[str]:

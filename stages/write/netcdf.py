@@ -39,6 +39,7 @@ from gridsolve.stages.write.direct import ChunkWriter
 from gridsolve.stages.write.layout import (
     chunk_alignment,
     chunk_sizes,
+    dim_labels,
     extensions,
     file_dims,
     flat_labels,
@@ -188,7 +189,7 @@ def _write_failure(exc: OSError | RuntimeError, final: Path) -> OutputError:
 def write_netcdf(
     config: NetCDFWrite,
     load: Artifact,
-    design: Artifact,
+    design: Artifact | None,
     tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
     extras: Sequence[Extension] = (),
@@ -219,7 +220,7 @@ def _write_file(
     final: Path,
     config: NetCDFWrite,
     load: Artifact,
-    design: Artifact,
+    design: Artifact | None,
     tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
     extras: Sequence[Extension],
@@ -232,7 +233,7 @@ def _write_file(
     plan = tile_plan(tiled)
     try:
         with atomic_file(final) as tmp:
-            base = skeleton(load, design, attrs)
+            base = skeleton(load, design, attrs, dim_labels(tiled))
             for extra in extras:
                 extra.add(base)
             base.to_netcdf(tmp, engine="netcdf4", format="NETCDF4")
@@ -265,7 +266,9 @@ def run(config: NetCDFWrite, inputs: Mapping[str, Any], ctx: StageContext) -> St
     """Write the output NetCDF; the stored artifact records its size and checksum."""
     attrs = run_attrs(config, inputs, ctx)
     tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
-    meta = write_netcdf(config, inputs["load"], inputs["design"], tiled, attrs, extensions(inputs))
+    meta = write_netcdf(
+        config, inputs["load"], inputs.get("design"), tiled, attrs, extensions(inputs)
+    )
     return StageOutput(meta=meta)
 
 
@@ -276,8 +279,9 @@ register(
         version=VERSION,
         config=NetCDFWrite,
         run=run,
-        inputs=("load", "design", "normal_equations", "solve"),
-        optional_inputs=("model", "train"),
+        inputs=("load", "solve"),
+        # design and normal_equations: none under solve: curvefit
+        optional_inputs=("design", "normal_equations", "model", "train"),
         verify=still_valid,
         records_sources=True,
         writes_outputs=True,

@@ -42,6 +42,7 @@ from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
 from gridsolve.stages.write.layout import (
     chunk_alignment,
     chunk_sizes,
+    dim_labels,
     extensions,
     file_dims,
     flat_labels,
@@ -163,7 +164,7 @@ def _write_tiles(
 def write_zarr(
     config: ZarrWrite,
     load: Artifact,
-    design: Artifact,
+    design: Artifact | None,
     tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
     extras: Sequence[Extension] = (),
@@ -183,7 +184,7 @@ def _fill(
     options: dict[str, Any] | None,
     config: ZarrWrite,
     load: Artifact,
-    design: Artifact,
+    design: Artifact | None,
     tiled: Mapping[str, TiledArtifact],
     attrs: Mapping[str, Any],
     extras: Sequence[Extension],
@@ -194,7 +195,7 @@ def _fill(
     """
     variables = output_variables(load, design, tiled, config.layout)
     plan = tile_plan(tiled)
-    base = skeleton(load, design, attrs)
+    base = skeleton(load, design, attrs, dim_labels(tiled))
     for extra in extras:
         extra.add(base)
     first = {kind: art.tiles[0][1] for kind, art in tiled.items()}
@@ -228,7 +229,7 @@ def run(config: ZarrWrite, inputs: Mapping[str, Any], ctx: StageContext) -> Stag
     attrs = run_attrs(config, inputs, ctx)
     tiled = {k: a for k, a in inputs.items() if isinstance(a, TiledArtifact)}
     extras = extensions(inputs)
-    where = write_zarr(config, inputs["load"], inputs["design"], tiled, attrs, extras)
+    where = write_zarr(config, inputs["load"], inputs.get("design"), tiled, attrs, extras)
     sides = side_facts(where.text, side_files(extras), config.storage_options)
     return StageOutput(meta={**where.folder_facts(), **sides})
 
@@ -240,8 +241,9 @@ register(
         version=VERSION,
         config=ZarrWrite,
         run=run,
-        inputs=("load", "design", "normal_equations", "solve"),
-        optional_inputs=("model", "train"),
+        inputs=("load", "solve"),
+        # design and normal_equations: none under solve: curvefit
+        optional_inputs=("design", "normal_equations", "model", "train"),
         verify=still_valid,
         records_sources=True,
         writes_outputs=True,

@@ -212,7 +212,7 @@ CASES: dict[str, tuple[Setup, list[str]]] = {
         lambda t, c: (
             c["solve"].update(impl="lsqr") if "solve" in c else c.update(solve={"impl": "lsqr"})
         ),
-        ["unknown solve implementation 'lsqr'", "known: lstsq", "Did you mean 'lstsq'?"],
+        ["unknown solve implementation 'lsqr'", "known: curvefit, lstsq", "Did you mean 'lstsq'?"],
     ),
     "unknown key": (
         lambda t, c: c["write"].update(compresion=9),

@@ -518,3 +518,42 @@ def test_a_selected_level_and_2d_lat_lon_are_carried_to_the_output(
     before_cc, _ = compliance_errors(src, tmp_path)
     after_cc, text_cc = compliance_errors(out, tmp_path)
     assert after_cc - before_cc == set(), text_cc
+
+
+NAMES = ["base", "amp", "up_rate", "sos", "down_rate", "eos"]
+NONLINEAR = {
+    "impl": "curvefit",
+    "target": "my_curves:season",
+    "params": NAMES,
+    "p0": dict(zip(NAMES, [0.2, 0.5, 0.08, 120.0, 0.07, 275.0], strict=True)),
+}
+
+
+@pytest.mark.slow
+def test_cf_checkers_find_no_errors_in_a_nonlinear_fit(tmp_path: Path) -> None:
+    import gridsolve as api
+
+    from testkit import ndvi_cube
+
+    cube = ndvi_cube(3, 4)
+    src = tmp_path / "ndvi.nc"
+    cube.to_dataset().to_netcdf(src)
+    out = tmp_path / "fit.nc"
+    cfg = api.config(
+        load={"path": str(src), "variable": "ndvi"},
+        solve={**NONLINEAR, "covariance": True},
+        write={"path": str(out)},
+        cache={"root": str(tmp_path / "cache")},
+    )
+    from gridsolve.stages.engine.context import StageContext
+    from gridsolve.stages.engine.plan import build_plan, run_locally
+    from gridsolve.stages.engine.store import open_store
+
+    ctx = StageContext(store=open_store(cfg.cache.root))
+    run_locally(build_plan(cfg.stage_configs()), ctx)
+    before, _ = compliance_errors(src, tmp_path)
+    after, text = compliance_errors(out, tmp_path)
+    assert after - before == set(), text
+    cf_before, _ = cfchecks_errors(src, tmp_path)
+    cf_after, cf_text = cfchecks_errors(out, tmp_path)
+    assert cf_after - cf_before == set(), cf_text

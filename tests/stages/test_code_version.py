@@ -331,24 +331,37 @@ def test_a_writers_key_covers_how_its_inputs_describe_their_outputs() -> None:
         assert not described & code_roots(get(kind, impl)), kind
 
 
+#: modules of a kind's folder that are one implementation's alone (prefixes of their names)
+OWN = {("solve", "curvefit"): ("curvefit", "levmar")}
+
+
 @pytest.mark.parametrize(
-    ("kind", "impl"), [("solve", "lstsq"), ("model", "multidim_linear"), ("train", "sgd")]
+    ("kind", "impl"),
+    [("solve", "lstsq"), ("solve", "curvefit"), ("model", "multidim_linear"), ("train", "sgd")],
 )
 def test_every_module_of_a_kinds_numerics_is_part_of_its_code_version(kind: str, impl: str) -> None:
     # A module split out of an implementation (stages/solve/linalg.py's pieces, ...) must
     # still be imported at module level by the code the stage runs: an edit of it then
     # changes the key. The registration, the contract and the output descriptions are
-    # not numerics (outputs.py is the writers', see above).
+    # not numerics (outputs.py is the writers', see above). The nonlinear fit's modules
+    # are curvefit's only: an edit of them leaves lstsq's keys as they were.
     from gridsolve.stages.engine.registry import get
     from gridsolve.stages.engine.runner import code_roots
 
     folder = Path(versions.__file__).parent.parent / kind
-    expected = {
-        f"gridsolve.stages.{kind}.{p.stem}"
+    others = tuple(p for (k, i), ps in OWN.items() if k == kind and i != impl for p in ps)
+    mine = OWN.get((kind, impl))
+    stems = [
+        p.stem
         for p in folder.glob("*.py")
         if p.stem not in ("__init__", "declare", "contract", "outputs")
-        # the nonlinear fit's numerics (issue 31) are not lstsq's; registered as their own
-        # implementation they get their own row here
-        and not p.stem.startswith("levmar")
+    ]
+    expected = {
+        f"gridsolve.stages.{kind}.{stem}"
+        for stem in stems
+        if (mine is None or stem.startswith(mine)) and not stem.startswith(others or ("\0",))
     }
-    assert expected <= set(versions.module_digests(code_roots(get(kind, impl))))
+    got = set(versions.module_digests(code_roots(get(kind, impl))))
+    assert expected <= got
+    foreign = {f"gridsolve.stages.{kind}.{s}" for s in stems if s.startswith(others or ("\0",))}
+    assert not foreign & got

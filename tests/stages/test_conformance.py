@@ -39,6 +39,13 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     ("design", "legendre"): {"degree": 3},
     ("design", "variable"): {},
     ("solve", "lstsq"): {"dtype": "float64"},  # some designs here are beyond float32 (κ > 1e4)
+    # a line in the observation index: lstsq of [1, index] is its oracle
+    ("solve", "curvefit"): {
+        "target": "my_curves:line",
+        "params": ["a", "b"],
+        "p0": {"a": 0.0, "b": 0.0},
+        "t": "index",
+    },
     ("model", "module"): {"target": "my_models:TinyMLP", "kwargs": {"n_in": 4}, "input_shape": [4]},
     ("model", "multidim_linear"): {"input_dim": 2, "hidden_dim": 2, "output_dim": 3},
 }
@@ -107,6 +114,13 @@ def _config(tmp_path: Path, cube: Path, kind: str, impl: str) -> dict[str, Any]:
         section.update(epochs=5, batch_pixels=8, lr=0.02, validation_fraction=0.0)
     if (kind, impl) == ("load", "demo"):
         sections["design"] = {"impl": "random", "coef": 4}
+    if (kind, impl) in (("solve", "curvefit"), ("design", "none"), ("normal_equations", "none")):
+        # a nonlinear fit: no design, no normal equations, no model (it writes no coefficients)
+        for k in ("design", "normal_equations", "model"):
+            sections.pop(k, None)
+        load.pop("design")
+        sections["solve"] = {"impl": "curvefit", **EXAMPLES[("solve", "curvefit")]}
+        sections[kind] = {**sections.get(kind, {}), **section} if kind != "solve" else section
     return sections
 
 
@@ -148,6 +162,9 @@ def test_load(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
 @pytest.mark.parametrize("impl", _impls("design"))
 def test_design(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
     _, refs = _run(tmp_path, cube, ctx, "design", impl)
+    if impl == "none":
+        assert "design" not in refs and "write" in refs
+        return
     A = np.asarray(ctx.store.get(refs["design"].key).array("A"))
     meta = refs["design"].meta
     assert A.shape == (refs["load"].meta["n_obs"], meta["coef"]) == (16, 4)
@@ -158,6 +175,9 @@ def test_design(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
 @pytest.mark.parametrize("impl", _impls("normal_equations"))
 def test_normal_equations(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
     _, refs = _run(tmp_path, cube, ctx, "normal_equations", impl)
+    if impl == "none":
+        assert "normal_equations" not in refs and "write" in refs
+        return
     ne = ctx.store.get(refs["normal_equations"].key)
     A = np.asarray(ctx.store.get(refs["design"].key).array("A"))
     U, s, Vt, sqrtw = (np.asarray(ne.array(k)) for k in ("U", "s", "Vt", "sqrtw"))
@@ -179,10 +199,14 @@ def _assemble(ctx: Any, ref: Any, name: str) -> np.ndarray:
 def test_solve(impl: str, tmp_path: Path, cube: Path, ctx: Any) -> None:
     _, refs = _run(tmp_path, cube, ctx, "solve", impl)
     assert len(refs["solve"].tiles) > 1
-    coef = _assemble(ctx, refs["solve"], "coefficients")
-    A = np.asarray(ctx.store.get(refs["design"].key).array("A"))
     with xr.open_dataset(cube) as ds:
         data = ds["signal"].values
+    if impl == "curvefit":  # a line in the index
+        coef = _assemble(ctx, refs["solve"], "params")
+        A = np.stack([np.ones(data.shape[0]), np.arange(data.shape[0])], axis=1)
+    else:
+        coef = _assemble(ctx, refs["solve"], "coefficients")
+        A = np.asarray(ctx.store.get(refs["design"].key).array("A"))
     for j in range(data.shape[1]):
         for i in range(data.shape[2]):
             ok = np.isfinite(data[:, j, i])

@@ -1,0 +1,276 @@
+"""The ``curvefit`` solve: nonlinear least squares of the user's single-sample f(t, p), per pixel.
+
+Once per stage (``prepare``) the function the config names is imported (a
+function, or an ``nn.Module`` class built with ``kwargs``) and checked on one
+pixel and on a batch of two under ``vmap`` (the way every tile calls it), and
+the observation coordinate ``t``, the start ``p0`` and the bounds are stored.
+Per tile, the pixels are fitted in chunks under the memory budget by
+:func:`stages.solve.levmar.fit_batched` (batched Levenberg–Marquardt, see
+:mod:`stages.solve.levmar`), honouring each pixel's gaps (NaN) and weights.
+A pixel is ``converged`` only where a convergence test held; every other
+outcome has its own status code (``levmar_status.FIT_STATUS_FLAGS``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from gridsolve.schemas.artifacts import Tile
+from gridsolve.schemas.errors import ConfigError, ContractError
+from gridsolve.schemas.kinds.solve import CurvefitSolve
+from gridsolve.schemas.metadata import LoadMeta
+from gridsolve.stages.design.builtin import obs_axis, stored_time
+from gridsolve.stages.engine.blocks import read_block
+from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device, work_share
+from gridsolve.stages.engine.paths import ensure_module_allowed
+from gridsolve.stages.engine.store import Artifact, StageOutput
+from gridsolve.stages.solve.levmar import fit_batched
+from gridsolve.stages.solve.levmar_status import FIT_STATUS_FLAGS
+
+STAGE = "solve/curvefit"
+
+#: torch's forward-mode AD levels (jacfwd) are process-global: two tiles fitted at once
+#: on threads (the flow's default runner) fail with "invalid forward AD level"; a tile
+#: uses every core through torch's own threads anyway.
+_FIT_LOCK = threading.Lock()
+
+#: How to write f so that it batches (what a failing probe tells the user).
+_HOW = (
+    "write f(t, p) for ONE pixel with torch operations on t (obs,) and p (param,), "
+    "returning (obs,): no .item(), no numpy, no Python branches on values, no in-place "
+    "changes of t or p"
+)
+
+
+def target_object(config: CurvefitSolve) -> Any:
+    """What ``target`` names, imported: a function or a class (ConfigError if neither)."""
+    mod_name, _, name = config.target.partition(":")
+    ensure_module_allowed(mod_name, STAGE)
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot import module {mod_name!r} for solve.target",
+            stage=STAGE,
+            found=f"{type(exc).__name__}: {exc}",
+            fix="check the spelling, and that the package is installed where the flow runs",
+        ) from exc
+    obj = getattr(module, name, None)
+    if not callable(obj):
+        raise ConfigError(
+            f"solve.target {config.target!r} is not a function or an nn.Module class",
+            stage=STAGE,
+            found=repr(obj),
+            fix="point solve.target at a function f(t, p) or an nn.Module class",
+        )
+    return obj
+
+
+def import_function(config: CurvefitSolve) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """The callable ``target`` names: the function itself, or an instance of the module class."""
+    obj = target_object(config)
+    if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
+        try:
+            built = obj(**config.kwargs)
+        except Exception as exc:
+            raise ConfigError(
+                f"cannot build {config.target} with solve.kwargs {config.kwargs}",
+                stage=STAGE,
+                found=f"{type(exc).__name__}: {exc}",
+                fix="give the constructor's keyword arguments in solve.kwargs",
+            ) from exc
+        fn: Callable[[torch.Tensor, torch.Tensor], Any] = built.to(torch.float64).eval()
+        return fn
+    if config.kwargs:
+        raise ConfigError(
+            f"solve.kwargs is given but {config.target} is not an nn.Module class",
+            stage=STAGE,
+            fix="remove solve.kwargs (a function takes only t and p)",
+        )
+    if isinstance(obj, type):
+        raise ConfigError(
+            f"solve.target {config.target!r} is a class but not an nn.Module",
+            stage=STAGE,
+            found=repr(obj),
+            fix="point solve.target at a function f(t, p) or an nn.Module class",
+        )
+    return obj  # type: ignore[no-any-return]
+
+
+def observation_axis(config: CurvefitSolve, load: Artifact) -> np.ndarray:
+    """The ``t`` f receives: the coordinate, since its first value, or the index (float64)."""
+    meta = LoadMeta.of(load)
+    if config.t == "index":
+        return np.arange(meta.n_obs, dtype=np.float64)
+    axis, _ = obs_axis(np.asarray(load.array("obs")), STAGE, stored_time(meta))
+    return axis - axis[0] if config.t == "since_first" else axis
+
+
+def _probe(f: Callable[..., Any], t: torch.Tensor, p0: torch.Tensor) -> None:
+    """Refuse an f that does not give (obs,) finite values for one pixel and under vmap."""
+    try:
+        one = f(t, p0)
+        both = torch.func.vmap(f, in_dims=(None, 0))(t, torch.stack([p0, p0]))
+    except Exception as exc:
+        raise ConfigError(
+            "solve.target fails on one pixel at p0, or under vmap over pixels",
+            stage=STAGE,
+            found=f"{type(exc).__name__}: {exc}",
+            fix=_HOW,
+        ) from exc
+    want = tuple(t.shape[:1])
+    if not isinstance(one, torch.Tensor) or tuple(one.shape) != want:
+        found = tuple(one.shape) if isinstance(one, torch.Tensor) else type(one).__name__
+        raise ContractError(
+            "solve.target does not return one value per observation",
+            stage=STAGE,
+            expected=f"a tensor of shape {want}",
+            found=str(found),
+            fix=_HOW,
+        )
+    if tuple(both.shape) != (2, *want) or not torch.equal(both[0], both[1]):
+        raise ContractError(
+            "solve.target gives a different result under vmap than on one pixel",
+            stage=STAGE,
+            found=f"shape {tuple(both.shape)} for two pixels",
+            fix=_HOW,
+        )
+
+
+def check_function(config: CurvefitSolve, n_obs: int = 8) -> None:
+    """Import ``target`` and try it at ``p0`` on a made-up axis (``gridsolve validate``)."""
+    t = torch.linspace(0.0, 1.0, n_obs, dtype=torch.float64)
+    p0 = torch.tensor([config.p0[n] for n in config.params], dtype=torch.float64)
+    _probe(import_function(config), t, p0)
+
+
+def prepare(
+    config: CurvefitSolve, inputs: Mapping[str, Artifact], ctx: StageContext
+) -> StageOutput:
+    """Check f on one pixel and under vmap; store t, the start, the bounds and shared weights."""
+    load = inputs["load"]
+    t = observation_axis(config, load)
+    p0 = np.array([config.p0[n] for n in config.params], dtype=np.float64)
+    f = import_function(config)
+    _probe(f, torch.from_numpy(t), torch.from_numpy(p0))
+    lower, upper = config.bounds_arrays()
+    arrays = {
+        "t": t,
+        "p0": p0,
+        "lower": np.array(lower, dtype=np.float64),
+        "upper": np.array(upper, dtype=np.float64),
+    }
+    if "weights" in load:  # one set of weights shared by every pixel
+        arrays["weights"] = np.asarray(load.array("weights"), dtype=np.float64)
+    return StageOutput(
+        arrays=arrays,
+        meta={
+            "coef": len(config.params),
+            "obs": int(t.shape[0]),
+            "params": list(config.params),
+            "uncertainty": "cov" if config.covariance else "stderr",
+            "cov_scale": config.cov_scale,
+            "status_flags": dict(FIT_STATUS_FLAGS),
+            "dim_labels": {"param": list(config.params)},
+            "target": config.target,
+            "t": config.t,
+        },
+    )
+
+
+def pixel_bytes_of(n_obs: int, n_param: int, covariance: bool) -> int:
+    """Bytes one pixel holds while fitted: data, mask, residuals, Jacobian, QR, results."""
+    work = 8 * (6 * n_obs + 3 * n_obs * n_param + 4 * n_param * n_param + 12 * n_param + 16)
+    return work + (8 * n_param * n_param if covariance else 0)
+
+
+def run_tile(
+    config: CurvefitSolve,
+    inputs: Mapping[str, Artifact],
+    prepared: Artifact,
+    tile: Tile,
+    ctx: StageContext,
+) -> StageOutput:
+    """Parameters, their standard errors, cost, iterations, RMS, counts and status of one tile."""
+    load = inputs["load"]
+    load_meta = LoadMeta.of(load)
+    device = resolve_device(config.device)
+    t = torch.from_numpy(np.array(prepared.array("t"))).to(device)
+    p0 = torch.from_numpy(np.array(prepared.array("p0"))).to(device)
+    bounds = (
+        torch.from_numpy(np.array(prepared.array("lower"))).to(device),
+        torch.from_numpy(np.array(prepared.array("upper"))).to(device),
+    )
+    n_obs, n_param = int(t.shape[0]), int(p0.shape[0])
+    B = read_block(load, "cube", tile).reshape(n_obs, -1).T  # (pixel, obs)
+    weights_info = load_meta.aux.get("weights")
+    own_w = None
+    if weights_info is not None and not weights_info.shared:
+        own_w = read_block(load, "weights", tile).reshape(n_obs, -1).T
+    shared_w = np.array(prepared.array("weights")) if "weights" in prepared else None
+    bounded = bool(torch.isfinite(bounds[0]).any() or torch.isfinite(bounds[1]).any())
+    f = import_function(config)
+    n_pix = B.shape[0]
+    per_px = pixel_bytes_of(n_obs, n_param, config.covariance)
+    step = config.chunk_pixels or chunk_size(work_share(ctx.memory_budget), per_px)
+    parts: list[dict[str, np.ndarray]] = []
+    for lo in range(0, n_pix, step):
+        b = torch.from_numpy(np.ascontiguousarray(B[lo : lo + step], dtype=np.float64))
+        w: torch.Tensor | None = None
+        if own_w is not None:
+            w = torch.from_numpy(np.ascontiguousarray(own_w[lo : lo + step], dtype=np.float64))
+        elif shared_w is not None:
+            w = torch.from_numpy(shared_w)
+        with _FIT_LOCK:
+            res = fit_batched(
+                f,
+                t,
+                b.to(device),
+                p0,
+                weights=None if w is None else w.to(device),
+                bounds=bounds if bounded else None,
+                max_iter=config.max_iter,
+                xtol=config.xtol,
+                ftol=config.ftol,
+                gtol=config.gtol,
+                absolute_sigma=config.cov_scale == "unscaled",
+            )
+        parts.append(res.arrays())
+    return _tile_output(parts, config, tile.shape)
+
+
+def _tile_output(
+    parts: list[dict[str, np.ndarray]], config: CurvefitSolve, shape: tuple[int, int]
+) -> StageOutput:
+    """The tile's arrays, pixels last as (…, y, x), in the config's dtype; status counts."""
+    ny, nx = shape
+    dtype = np.dtype(config.dtype)
+
+    def joined(name: str) -> np.ndarray:
+        return np.concatenate([p[name] for p in parts], axis=0)
+
+    def grid(a: np.ndarray, as_type: Any) -> np.ndarray:
+        moved = np.moveaxis(a, 0, -1).astype(as_type, copy=False)
+        return np.ascontiguousarray(moved.reshape(*moved.shape[:-1], ny, nx))
+
+    status = joined("status").astype(np.int8)
+    arrays = {
+        "params": grid(joined("params"), dtype),
+        "param_stderr": grid(joined("param_stderr"), dtype),
+        "cost": grid(joined("cost"), dtype),
+        "n_iter": grid(joined("n_iter"), np.int32),
+        "residual_rms": grid(joined("residual_rms"), dtype),
+        "n_valid": grid(joined("n_valid"), np.int32),
+        "status": grid(status, np.int8),
+    }
+    if config.covariance:
+        arrays["param_cov"] = grid(joined("covariance"), dtype)
+    codes, counts = np.unique(status, return_counts=True)
+    counted = {FIT_STATUS_FLAGS[int(c)]: int(n) for c, n in zip(codes, counts, strict=True)}
+    return StageOutput(arrays=arrays, meta={"status_counts": counted})

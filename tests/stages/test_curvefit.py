@@ -1,0 +1,202 @@
+"""``solve: {impl: curvefit}`` through the whole plan: against scipy's curve_fit per pixel.
+
+The batched Levenberg–Marquardt core is tested in ``test_levmar.py``; here the
+stage as a user meets it: a cube with a time axis and gaps, the user's function
+imported by path, tiles, the output's variables and flags, refusals, cache keys.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xarray as xr
+from scipy.optimize import curve_fit
+
+import gridsolve
+from gridsolve.schemas.errors import ConfigError, ContractError
+from gridsolve.schemas.kinds.solve import CurvefitSolve
+from gridsolve.stages.engine.context import StageContext
+from gridsolve.stages.solve.declare import curvefit_fingerprint
+from gridsolve.stages.solve.levmar_status import FIT_STATUS_FLAGS
+
+from testkit import ndvi_cube, season_jac, season_np
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NAMES = ["base", "amp", "up_rate", "sos", "down_rate", "eos"]
+P0 = dict(zip(NAMES, [0.2, 0.5, 0.08, 120.0, 0.07, 275.0], strict=True))
+SOLVE = {"impl": "curvefit", "target": "my_curves:season", "params": NAMES, "p0": P0}
+
+
+def scipy_fit(t: np.ndarray, row: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    v = np.isfinite(row)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            p, cov = curve_fit(
+                season_np, t[v], row[v], p0=list(P0.values()), jac=season_jac, method="lm"
+            )
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return p, cov
+
+
+def pcov_at(t: np.ndarray, row: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """(JᵀJ)⁻¹ · cost / (m − n) at ``p`` over the observed values of ``row``."""
+    v = np.isfinite(row)
+    J = season_jac(t[v], *p)
+    r = row[v] - season_np(t[v], *p)
+    out: np.ndarray = np.linalg.inv(J.T @ J) * (r @ r) / (v.sum() - p.size)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fitted() -> tuple[xr.DataArray, xr.Dataset]:
+    da = ndvi_cube()
+    return da, gridsolve.fit(da, solve={**SOLVE, "covariance": True}, progress=False)
+
+
+def test_every_converged_pixel_matches_curve_fit(fitted: tuple[xr.DataArray, xr.Dataset]) -> None:
+    da, out = fitted
+    t = np.arange(46) * 8.0  # since_first, in days
+    status = out["status"].values
+    converged = status == 0
+    assert converged.sum() >= 40, np.unique(status, return_counts=True)
+    compared = 0
+    for i, j in zip(*np.nonzero(converged), strict=True):
+        ref = scipy_fit(t, da.values[:, i, j])
+        assert ref is not None, (i, j)  # scipy converges where we say converged
+        p, _ = ref
+        ours = out["params"].values[:, i, j]
+        np.testing.assert_allclose(ours, p, rtol=1e-6, atol=1e-12)
+        if i == 0 and j < 2:
+            continue  # no season: timing not identifiable (stderr ~1e8 days), cov ill-conditioned
+        # curve_fit's pcov formula at its solution (its own pcov uses the Jacobian of the
+        # step before; test_levmar.py measures that difference)
+        cov = pcov_at(t, da.values[:, i, j], p)
+        sd = np.sqrt(np.diag(cov))
+        got = out["param_cov"].values[:, :, i, j]
+        assert np.max(np.abs(got - cov) / np.outer(sd, sd)) < 1e-5, (i, j)
+        np.testing.assert_allclose(out["param_stderr"].values[:, i, j], sd, rtol=1e-5)
+        compared += 1
+    assert compared == converged.sum() - converged[0, :2].sum()
+    # nothing observed: flagged, NaN, never converged
+    assert FIT_STATUS_FLAGS[int(status[1, 1])] == "all_missing"
+    assert np.isnan(out["params"].values[:, 1, 1]).all()
+
+
+def test_the_output_describes_the_fit(fitted: tuple[xr.DataArray, xr.Dataset]) -> None:
+    _, out = fitted
+    assert out["params"].dims == ("param", "lat", "lon")
+    assert list(out["param_name"].values) == NAMES
+    assert "param_name" in out["params"].attrs.get(
+        "coordinates", out["params"].encoding.get("coordinates", "param_name")
+    )
+    flags = out["status"].attrs
+    assert flags["flag_meanings"].split() == [FIT_STATUS_FLAGS[k] for k in sorted(FIT_STATUS_FLAGS)]
+    assert "my_curves:season" in out["params"].attrs["long_name"]
+    for gone in ("design", "coefficients", "coef_name", "trend"):
+        assert gone not in out.variables, gone
+    assert out["n_iter"].dtype.kind == "i" and int(out["n_iter"].max()) > 1
+    assert out["n_valid"].values[1, 1] == 0
+
+
+def test_tiles_give_the_same_fit(fitted: tuple[xr.DataArray, xr.Dataset]) -> None:
+    da, whole = fitted
+    tiled = gridsolve.fit(
+        da, solve={**SOLVE, "covariance": True}, execution={"tile_pixels": 7}, progress=False
+    )
+    np.testing.assert_array_equal(tiled["status"].values, whole["status"].values)
+    np.testing.assert_allclose(tiled["params"].values, whole["params"].values, rtol=1e-12)
+
+
+def test_a_module_class_with_bounds(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    t = np.arange(30.0)
+    truth = np.array([0.8, 0.5, 6.0])
+    y = truth[0] - truth[1] * np.exp(-(t - 2.0) / truth[2])
+    data = np.repeat(y[:, None, None], 12, axis=1).reshape(30, 3, 4) + rng.normal(
+        0, 0.01, (30, 3, 4)
+    )
+    da = xr.DataArray(data, dims=("t", "y", "x"), coords={"t": t}, name="v")
+    solve = {
+        "impl": "curvefit",
+        "target": "my_curves:Recovery",
+        "kwargs": {"t0": 2.0},
+        "params": ["level", "depth", "scale"],
+        "p0": {"level": 1.0, "depth": 0.3, "scale": 3.0},
+        "bounds": {"scale": [0.5, 4.0]},  # the truth (6) lies outside: stops at the bound
+        "t": "coordinate",
+    }
+    out = gridsolve.fit(da, solve=solve, progress=False)
+    scale = out["params"].sel(param=2).values
+    assert np.all(scale <= 4.0) and np.allclose(scale, 4.0, atol=1e-3)
+    assert {FIT_STATUS_FLAGS[int(s)] for s in out["status"].values.ravel()} == {"at_bound"}
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"design": {"impl": "polynomial"}}, "reads no design: remove the design section"),
+        ({"model": {"impl": "multidim_linear"}}, "remove the model section"),
+        ({"solve": {**SOLVE, "p0": {"base": 0.1}}}, "p0 lacks"),
+        ({"solve": {**SOLVE, "bounds": {"sos": [200, 300]}}}, "not strictly inside its bounds"),
+    ],
+)
+def test_bad_configs_are_refused_before_any_work(
+    sections: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        gridsolve.config(
+            load={"impl": "demo"},
+            **{"solve": SOLVE, **sections},
+            write={"impl": "netcdf", "path": str(tmp_path / "o.nc")},
+        )
+
+
+def test_lstsq_without_a_design_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="fits a design, and design is none"):
+        gridsolve.config(load={"impl": "demo"}, design={"impl": "none"})
+
+
+@pytest.mark.parametrize(
+    ("target", "error", "message"),
+    [
+        ("my_curves:reads_a_number", ConfigError, "for ONE pixel"),
+        ("my_curves:one_value", ContractError, "one value per observation"),
+        ("my_curves:nothing_here", ConfigError, "not a function or an nn.Module class"),
+        ("no_such_package.curves:f", ConfigError, "cannot import module"),
+    ],
+)
+def test_a_function_that_cannot_be_fitted_is_refused_with_the_fix(
+    target: str, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        gridsolve.fit(ndvi_cube(2, 2), solve={**SOLVE, "target": target}, progress=False)
+
+
+def test_the_key_covers_the_users_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "user_curves_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helpers.py").write_text("SCALE = 1.0\n")
+    (pkg / "curve.py").write_text(
+        "from user_curves_pkg.helpers import SCALE\n\ndef f(t, p):\n    return p[0] * t * SCALE\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = CurvefitSolve(target="user_curves_pkg.curve:f", params=["a"], p0={"a": 1.0})
+    ctx = StageContext(store=None)  # type: ignore[arg-type]
+    before = curvefit_fingerprint(cfg, ctx)["code"]
+    assert curvefit_fingerprint(cfg, ctx)["code"] == before
+    (pkg / "helpers.py").write_text("SCALE = 2.0\n")  # an edit of a module it imports
+    for name in [m for m in sys.modules if m.startswith("user_curves_pkg")]:
+        del sys.modules[name]
+    from gridsolve.stages.engine import versions
+
+    versions.forget_versions()
+    assert curvefit_fingerprint(cfg, ctx)["code"] != before
