@@ -6,7 +6,8 @@ the other (the machine has 2 cores: never two at once), keeps each full output u
 ``--out``, and ends with the table of every verdict line, so one command answers
 "where do we stand on every speed and memory target".
 
-Usage: python benchmarks/run.py [solve] [model] [pipeline] [train] [cluster] [e2e] [--out FOLDER]
+Usage: python benchmarks/run.py [solve] [model] [pipeline] [train] [cluster] [e2e] [curvefit]
+       [--out FOLDER]
        (no names: all of them; peers come from the ``bench`` extra:
        pip install -e '.[bench]')
 """
@@ -30,6 +31,7 @@ BENCHMARKS = {
     "train": "bench_train.py",
     "cluster": "bench_cluster.py",
     "e2e": "bench_e2e.py",
+    "curvefit": "bench_curvefit.py",
 }
 VERDICT = re.compile(r"^(?P<figure>.+?)\s*\(target (?P<target>[^:]+):\s*(?P<verdict>.+?)\)\s*$")
 
