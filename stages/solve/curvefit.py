@@ -40,6 +40,14 @@ STAGE = "solve/curvefit"
 #: uses every core through torch's own threads anyway.
 _FIT_LOCK = threading.Lock()
 
+#: Most pixels fitted at once. A chunk's temporaries (pixel × obs × param float64) then
+#: stay in memory already mapped: on 100,000 pixels of a 4-parameter double logistic
+#: (benchmarks/bench_curvefit.py's cube, AMD EPYC, 2 cores) chunks of 8,192 and 16,384
+#: pixels took 5.2–6.0 s, 25,000 took 10 s and one chunk of 100,000 took 13 s (the
+#: fresh memory of each pass cost more than its arithmetic); 2,048 paid the per-pass
+#: Python overhead instead. A chunk also stops with its own slowest pixel.
+CHUNK_PIXELS = 8192
+
 #: How to write f so that it batches (what a failing probe tells the user).
 _HOW = (
     "write f(t, p) for ONE pixel with torch operations on t (obs,) and p (param,), "
@@ -207,34 +215,66 @@ def run_tile(
         torch.from_numpy(np.array(prepared.array("lower"))).to(device),
         torch.from_numpy(np.array(prepared.array("upper"))).to(device),
     )
-    n_obs, n_param = int(t.shape[0]), int(p0.shape[0])
+    n_obs = int(t.shape[0])
     B = read_block(load, "cube", tile).reshape(n_obs, -1).T  # (pixel, obs)
     weights_info = load_meta.aux.get("weights")
     own_w = None
     if weights_info is not None and not weights_info.shared:
         own_w = read_block(load, "weights", tile).reshape(n_obs, -1).T
     shared_w = np.array(prepared.array("weights")) if "weights" in prepared else None
-    bounded = bool(torch.isfinite(bounds[0]).any() or torch.isfinite(bounds[1]).any())
-    f = import_function(config)
-    n_pix = B.shape[0]
+    parts = fit_pixels(
+        import_function(config),
+        t,
+        B,
+        p0,
+        config,
+        bounds=bounds,
+        weights=own_w if own_w is not None else shared_w,
+        memory_budget=ctx.memory_budget,
+    )
+    return _tile_output(parts, config, tile.shape)
+
+
+def fit_pixels(
+    f: Callable[..., Any],
+    t: torch.Tensor,
+    B: np.ndarray,
+    p0: torch.Tensor,
+    config: CurvefitSolve,
+    *,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weights: np.ndarray | None = None,
+    memory_budget: int = 2**30,
+) -> list[dict[str, np.ndarray]]:
+    """Fit ``f`` to every row of ``B`` (pixel, obs), chunk by chunk: each chunk's results.
+
+    ``weights`` (pixel, obs) per pixel or (obs,) shared; ``bounds`` (lower, upper) per
+    parameter, ±inf where open. Chunks hold at most ``CHUNK_PIXELS`` pixels (or
+    ``config.chunk_pixels``) and fit the memory budget.
+    """
+    n_obs, n_param = int(t.shape[0]), int(p0.shape[0])
+    device = t.device
+    if bounds is not None and not bool(
+        torch.isfinite(bounds[0]).any() or torch.isfinite(bounds[1]).any()
+    ):
+        bounds = None
     per_px = pixel_bytes_of(n_obs, n_param, config.covariance)
-    step = config.chunk_pixels or chunk_size(work_share(ctx.memory_budget), per_px)
+    step = config.chunk_pixels or min(CHUNK_PIXELS, chunk_size(work_share(memory_budget), per_px))
     parts: list[dict[str, np.ndarray]] = []
-    for lo in range(0, n_pix, step):
+    for lo in range(0, B.shape[0], step):
         b = torch.from_numpy(np.ascontiguousarray(B[lo : lo + step], dtype=np.float64))
-        w: torch.Tensor | None = None
-        if own_w is not None:
-            w = torch.from_numpy(np.ascontiguousarray(own_w[lo : lo + step], dtype=np.float64))
-        elif shared_w is not None:
-            w = torch.from_numpy(shared_w)
+        w = None
+        if weights is not None:
+            rows = weights if weights.ndim == 1 else weights[lo : lo + step]
+            w = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float64)).to(device)
         with _FIT_LOCK:
             res = fit_batched(
                 f,
                 t,
                 b.to(device),
                 p0,
-                weights=None if w is None else w.to(device),
-                bounds=bounds if bounded else None,
+                weights=w,
+                bounds=bounds,
                 max_iter=config.max_iter,
                 xtol=config.xtol,
                 ftol=config.ftol,
@@ -242,7 +282,7 @@ def run_tile(
                 absolute_sigma=config.cov_scale == "unscaled",
             )
         parts.append(res.arrays())
-    return _tile_output(parts, config, tile.shape)
+    return parts
 
 
 def _tile_output(
