@@ -113,8 +113,7 @@ CONFIG = CurvefitSolve(
 
 def gridsolve_fit(y: np.ndarray) -> dict[str, np.ndarray]:
     """End to end: numpy arrays in memory → the curvefit stage's chunked fit → numpy results."""
-    parts = fit_pixels(season, torch.from_numpy(T), y, torch.from_numpy(P0), CONFIG)
-    return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+    return fit_pixels(season, torch.from_numpy(T), y, torch.from_numpy(P0), CONFIG)
 
 
 def jacobian(y: np.ndarray) -> Callable[[], torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
@@ -159,9 +160,21 @@ class CurvefitSolve(SolveConfig):
         ge=1,
         description="Trial steps per pixel; default 100·(params + 1), as curve_fit's lm.",
     )
-    xtol: float = Field(1.49012e-8, ge=0.0, description="Relative step tolerance (curve_fit's).")
-    ftol: float = Field(1.49012e-8, ge=0.0, description="Relative cost tolerance (curve_fit's).")
-    gtol: float = Field(0.0, ge=0.0, description="Gradient orthogonality tolerance.")
+    xtol: float = Field(
+        1.49012e-8,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="Relative step tolerance (curve_fit's).",
+    )
+    ftol: float = Field(
+        1.49012e-8,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="Relative cost tolerance (curve_fit's).",
+    )
+    gtol: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="Gradient orthogonality tolerance."
+    )
     cov_scale: Literal["residual", "unscaled"] = Field(
         "residual",
         description="residual: covariance scaled by cost/(n_valid − params), curve_fit's "
@@ -194,6 +207,12 @@ class CurvefitSolve(SolveConfig):
     @model_validator(mode="after")
     def _named_everywhere(self) -> CurvefitSolve:
         problems = []
+        not_finite = [n for n, v in self.p0.items() if not math.isfinite(v)]
+        if not_finite:
+            problems.append(f"p0 of {not_finite} is not a finite number")
+        nan_bounds = [n for n, b in self.bounds.items() if any(v != v for v in b if v is not None)]
+        if nan_bounds:
+            problems.append(f"bounds of {nan_bounds} hold NaN: use null for no bound")
         missing = [n for n in self.params if n not in self.p0]
         if missing:
             problems.append(f"p0 lacks {missing}: give every parameter a start value")
@@ -224,7 +243,11 @@ class CurvefitSolve(SolveConfig):
         ):
             conf = stages.get(kind)
             if conf is not None and conf.active:
-                out.append(f"solve impl 'curvefit' {why}: remove the {kind} section")
+                out.append(
+                    f"solve impl 'curvefit' {why}: leave the {kind} section out of the config "
+                    f"file, or set it to {{impl: none}} (the UI form; on the command line "
+                    f"--set '{kind}={{impl: none}}')"
+                )
         return out
 
     def imported_modules(self) -> list[str]:

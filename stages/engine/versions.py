@@ -47,6 +47,7 @@ from typing import Any
 
 import xxhash
 
+from gridsolve.schemas.errors import ConfigError
 from gridsolve.stages.engine.hashing import canonical_json, hash_text
 from gridsolve.stages.engine.pyparse import PARSE_LOCK
 
@@ -417,11 +418,18 @@ def code_digest(roots: Iterable[str]) -> str:
     return digest
 
 
+#: module name → (id of the module object, digest of its source) when this process
+#: first keyed it: the code it runs, whatever the file holds now
+_IMPORTED: dict[str, tuple[int, str]] = {}
+
+
 def user_code_digest(obj: object, target: str) -> str:
     """Digest of the source a user's class or function runs: its module and local imports.
 
     Defined where there is no source file (an interactive session): its own source,
-    or failing that its import path.
+    or failing that its import path. Raises ConfigError when a module this process
+    has imported was edited since it was first keyed here: the key would cover the
+    new source while the run ran the old code (a notebook's kernel, ``gridsolve serve``).
     """
     module = str(getattr(obj, "__module__", target.partition(":")[0]))
     digests = module_digests([module])
@@ -430,4 +438,21 @@ def user_code_digest(obj: object, target: str) -> str:
             digests[module] = hash_text(inspect.getsource(obj))  # type: ignore[arg-type]
         except (OSError, TypeError):
             digests[module] = hash_text(target)
+    changed = []
+    for name, digest in digests.items():
+        loaded = sys.modules.get(name)
+        if loaded is None:
+            continue  # imported afresh when the stage runs: it runs what the file holds
+        seen = _IMPORTED.setdefault(name, (id(loaded), digest))
+        if seen[0] != id(loaded):  # imported again (reloaded): the file's code runs
+            _IMPORTED[name] = (id(loaded), digest)
+        elif seen[1] != digest:
+            changed.append(name)
+    if changed:
+        raise ConfigError(
+            f"the source of {', '.join(sorted(changed))} changed after this process imported it",
+            found=f"{target}: the file on disk differs from the code this process runs",
+            fix="restart the process (a notebook's kernel, gridsolve serve) so that the run "
+            "runs the code its cache key covers",
+        )
     return hash_text(canonical_json(digests))

@@ -102,7 +102,9 @@ def curvefit_variables(ctx: OutputContext) -> list[OutputVariable]:
             ("param", "y", "x"),
             {
                 "long_name": f"fitted parameters of {target}",
-                "comment": "NaN where the pixel could not be fitted (see status)",
+                "comment": "trust a pixel only where status is converged (and its "
+                "param_stderr is small): iteration_limit, stalled, singular and at_bound "
+                "pixels keep their last iterate; NaN where it was not fitted at all",
             },
         ),
         OutputVariable(

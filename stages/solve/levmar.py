@@ -22,14 +22,10 @@ Design requirements (issue 31, DESIGN.md §13):
 * Every pixel gets a status (:class:`.levmar_status.FitStatus`, CF flags): it is
   ``converged`` only where a convergence test held.
 
-How it will be wired (not yet): a ``solve`` implementation (``impl: curvefit``)
-whose tile function calls :func:`fit_batched` on the tile's pixels (``b`` the load's
-(pixel, obs) block, ``mask`` its gap mask, ``weights`` the load's weights, ``t`` the
-time coordinate in the design's units) with ``f`` the user's ``target`` imported as
-``model: module`` does, and writes :meth:`LMResult.arrays` as the tile's arrays:
-``params`` (param, y, x), ``param_stderr``, ``covariance``, ``cost``, ``n_iter``,
-``residual_rms``, ``n_valid`` and ``status`` with ``flag_attrs("…",
-FIT_STATUS_FLAGS)``; the plan's memory budget sizes the tiles from ``pixel_bytes``.
+Where it runs: the ``solve`` implementation ``curvefit`` (``stages/solve/curvefit.py``)
+calls it on each tile's pixels, chunk by chunk, with ``b`` the load's (pixel, obs) block
+(NaN: gaps), the load's weights, ``t`` the observation coordinate as ``solve.t`` says
+and ``f`` the user's ``solve.target``.
 """
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ def skeleton(
         coords[dim] = (dim, np.arange(len(names), dtype=np.int32), {"long_name": dim, "units": "1"})
         coords[f"{dim}_name"] = (dim, np.array(names, dtype=str), {"long_name": f"{dim} name"})
     variables: dict[str, Any] = {}
-    if design is not None:  # first: the files' order of variables as before runs without one
+    if design is not None:  # the design first: files keep the variable order they had
         variables[DESIGN_VARIABLE] = _design_coords(load, design, coords)
     variables.update({name: (dims, values, {}) for name, (dims, values) in bounds.items()})
     ds = xr.Dataset(variables, coords=coords, attrs=dict(attrs))

@@ -35,3 +35,8 @@ def one_value(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def line(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A straight line: a linear least-squares problem the nonlinear fit must solve too."""
     return p[0] + p[1] * t
+
+
+def undefined_before_start(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A level that only exists from ``p[1]`` on: NaN before (sqrt of a negative)."""
+    return p[0] + 0.0 * torch.sqrt(t - p[1])

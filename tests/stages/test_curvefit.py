@@ -142,8 +142,9 @@ def test_a_module_class_with_bounds(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
-        ({"design": {"impl": "polynomial"}}, "reads no design: remove the design section"),
-        ({"model": {"impl": "multidim_linear"}}, "remove the model section"),
+        ({"design": {"impl": "polynomial"}}, "reads no design: leave the design section out"),
+        ({"model": {"impl": "multidim_linear"}}, "or set it to {impl: none}"),
+        ({"solve": {**SOLVE, "p0": {**P0, "sos": float("nan")}}}, "not a finite number"),
         ({"solve": {**SOLVE, "p0": {"base": 0.1}}}, "p0 lacks"),
         ({"solve": {**SOLVE, "bounds": {"sos": [200, 300]}}}, "not strictly inside its bounds"),
     ],
@@ -153,7 +154,7 @@ def test_bad_configs_are_refused_before_any_work(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         gridsolve.config(
-            load={"impl": "demo"},
+            load={"impl": "netcdf", "path": str(tmp_path / "cube.nc")},
             **{"solve": SOLVE, **sections},
             write={"impl": "netcdf", "path": str(tmp_path / "o.nc")},
         )
@@ -161,7 +162,7 @@ def test_bad_configs_are_refused_before_any_work(
 
 def test_lstsq_without_a_design_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="fits a design, and design is none"):
-        gridsolve.config(load={"impl": "demo"}, design={"impl": "none"})
+        gridsolve.config(load={"path": str(tmp_path / "cube.nc")}, design={"impl": "none"})
 
 
 @pytest.mark.parametrize(
@@ -200,3 +201,61 @@ def test_the_key_covers_the_users_code(tmp_path: Path, monkeypatch: pytest.Monke
 
     versions.forget_versions()
     assert curvefit_fingerprint(cfg, ctx)["code"] != before
+
+
+def test_a_function_edited_after_its_import_is_refused_not_keyed_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The key would cover the new source while this process runs the old code (a
+    # notebook's kernel): a later process with the new code would be served old results.
+    (tmp_path / "edited_curve.py").write_text("def f(t, p):\n    return p[0] * t\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    da = ndvi_cube(2, 2)
+    one = {"impl": "curvefit", "target": "edited_curve:f", "params": ["a"], "p0": {"a": 0.1}}
+    first = gridsolve.fit(da, solve=one, progress=False, cache=tmp_path / "cache")
+    assert first["status"].size == 4
+    (tmp_path / "edited_curve.py").write_text("def f(t, p):\n    return p[0] * t + 1.0\n")
+    with pytest.raises(ConfigError, match="changed after this process imported it"):
+        gridsolve.fit(da, solve=one, progress=False, cache=tmp_path / "cache")
+    sys.modules.pop("edited_curve")  # imported afresh: the file's code runs, keyed as it is
+    again = gridsolve.fit(da, solve=one, progress=False, cache=tmp_path / "cache")
+    assert not np.allclose(again["params"].values, first["params"].values, equal_nan=True)
+
+
+def test_a_function_undefined_at_observed_times_is_flagged_not_refused(tmp_path: Path) -> None:
+    # NaN where the data are observed: the pixel's cost is undefined, flagged; the probe
+    # must not call such a function unbatchable
+    da = ndvi_cube(2, 3)
+    solve = {
+        "impl": "curvefit",
+        "target": "my_curves:undefined_before_start",
+        "params": ["level", "start"],
+        "p0": {"level": 0.3, "start": 40.0},
+    }
+    out = gridsolve.fit(da, solve=solve, progress=False)
+    flags = {FIT_STATUS_FLAGS[int(s)] for s in out["status"].values.ravel()}
+    assert flags == {"model_not_finite", "all_missing"}, flags
+    assert np.isnan(out["params"].values).all()
+
+
+def test_pixels_refitted_after_the_first_steps_get_the_path_of_one_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+    from my_curves import season
+
+    from gridsolve.stages.solve import curvefit
+    from gridsolve.stages.solve.levmar import fit_batched
+
+    da = ndvi_cube(4, 5)
+    B = da.values.reshape(46, -1).T.copy()
+    t = torch.arange(46, dtype=torch.float64) * 8.0
+    p0 = torch.tensor(list(P0.values()), dtype=torch.float64)
+    cfg = CurvefitSolve(**{**SOLVE, "chunk_pixels": 6})
+    monkeypatch.setattr(curvefit, "FIRST_STEPS", 3)  # most pixels need more: refitted
+    two_phase = curvefit.fit_pixels(season, t, B, p0, cfg)
+    whole = fit_batched(season, t, torch.from_numpy(B), p0).arrays()
+    assert (two_phase["n_iter"] > 3).sum() > 10
+    np.testing.assert_array_equal(two_phase["status"], whole["status"])
+    np.testing.assert_array_equal(two_phase["n_iter"], whole["n_iter"])
+    np.testing.assert_allclose(two_phase["params"], whole["params"], rtol=1e-12)
