@@ -47,7 +47,7 @@ import xarray as xr
 from scipy.optimize import OptimizeWarning, curve_fit
 
 from gridsolve.schemas.kinds.solve import CurvefitSolve
-from gridsolve.stages.solve.curvefit import fit_pixels
+from gridsolve.stages.solve.curvefit import CHUNK_PIXELS, fit_pixels
 from gridsolve.stages.solve.levmar_problem import problem
 from gridsolve.stages.solve.levmar_status import FitStatus
 
@@ -116,21 +116,18 @@ def gridsolve_fit(y: np.ndarray) -> dict[str, np.ndarray]:
     return fit_pixels(season, torch.from_numpy(T), y, torch.from_numpy(P0), CONFIG)
 
 
-def jacobian(y: np.ndarray) -> Callable[[], torch.Tensor]:
-    """One Jacobian of every pixel at the start, as the fit's ``refresh_jacobian`` takes it:
-    ``Problem.weighted_jacobian`` (vmap(jacfwd(f)) times √w, 0 where not valid)."""
-    prob, u0 = problem(
-        season,
-        torch.from_numpy(T),
-        torch.from_numpy(y),
-        torch.from_numpy(P0),
-        None,
-        None,
-        None,
-        "auto",
-    )
-    every = torch.arange(y.shape[0])
-    return lambda: prob.weighted_jacobian(u0[every], every)
+def jacobian(y: np.ndarray) -> Callable[[], list[torch.Tensor]]:
+    """One Jacobian of every pixel at the start, as the fit's ``refresh_jacobian`` takes it
+    (``Problem.weighted_jacobian``: vmap(jacfwd(f)) times √w, 0 where not valid), in the
+    stage's chunks of ``CHUNK_PIXELS`` (one batch of every pixel pays fresh memory)."""
+    chunks = []
+    for lo in range(0, y.shape[0], CHUNK_PIXELS):
+        part = torch.from_numpy(np.ascontiguousarray(y[lo : lo + CHUNK_PIXELS]))
+        prob, u0 = problem(
+            season, torch.from_numpy(T), part, torch.from_numpy(P0), None, None, None, "auto"
+        )
+        chunks.append((prob, u0, torch.arange(part.shape[0])))
+    return lambda: [prob.weighted_jacobian(u0[i], i) for prob, u0, i in chunks]
 
 
 def xarray_fit(da: xr.DataArray) -> np.ndarray:
@@ -272,7 +269,12 @@ def main() -> None:
             loop.spread(scale),
             f"{k:,} px in {loop_s:.2f} s ×{scale:,.0f}",
         ),
-        ("one Jacobian, every pixel", jac_s, jac.spread(), "weighted_jacobian, vmap(jacfwd)"),
+        (
+            "one Jacobian, every pixel",
+            jac_s,
+            jac.spread(),
+            "weighted_jacobian, vmap(jacfwd), in chunks",
+        ),
         (
             "one LM step (fit / mean n_iter)",
             per_iter,
