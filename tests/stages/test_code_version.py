@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from gridsolve.schemas.artifacts import ArtifactRef
+from gridsolve.schemas.errors import ConfigError
 from gridsolve.schemas.kinds.design import PolynomialDesign
 from gridsolve.schemas.kinds.load import NetCDFLoad
 from gridsolve.schemas.kinds.model import ModuleModel
@@ -285,6 +286,12 @@ def test_editing_a_helper_module_of_a_user_model_misses(
     helpers.write_text('"""Scaling."""\n\n\ndef scale(x):  # times two\n    return 2 * x\n')
     assert _model_key(config, ctx) == key  # docstrings and comments are not code
     helpers.write_text("def scale(x):\n    return 3.0 * x\n")
+    # this process runs the old helpers: keyed with the new source it would store the old
+    # code's results under the new code's key
+    with pytest.raises(ConfigError, match="changed after this process imported it"):
+        _model_key(config, ctx)
+    for module in [m for m in sys.modules if m.startswith(name)]:
+        del sys.modules[module]  # a fresh process: imports what the files hold
     assert _model_key(config, ctx) != key
     assert set(versions.module_digests([f"{name}.net"])) == {f"{name}.net", f"{name}.helpers"}
 
