@@ -14,6 +14,7 @@ Wherever it may write, a run never writes over what it reads: see
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import socket
@@ -130,6 +131,26 @@ def ensure_module_allowed(module: str, stage: str | None = None) -> None:
             fix=f"use a model from those packages, or add its package to {ALLOWED_MODULES_ENV} "
             "on the worker",
         )
+
+
+def import_named(target: str, stage: str, field: str) -> object:
+    """What ``package.module:name`` names, imported (None if the module lacks the name).
+
+    Checked against the worker's allowed modules first; a module that cannot be
+    imported is a ConfigError naming ``field`` (``model.target``, ``solve.target``).
+    """
+    mod_name, _, name = target.partition(":")
+    ensure_module_allowed(mod_name, stage)
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot import module {mod_name!r} for {field}",
+            stage=stage,
+            found=f"{type(exc).__name__}: {exc}",
+            fix="check the spelling, and that the package is installed where the flow runs",
+        ) from exc
+    return getattr(module, name, None)
 
 
 def writer_tag() -> str:

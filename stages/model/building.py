@@ -6,7 +6,6 @@ Weights come from a safetensors file or a state dict loaded with
 
 from __future__ import annotations
 
-import importlib
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,7 +17,7 @@ from torch import nn
 
 from gridsolve.schemas.errors import ConfigError, ContractError, InputError
 from gridsolve.schemas.kinds.model import ModelConfig, ModuleModel, MultidimLinearModel
-from gridsolve.stages.engine.paths import ensure_module_allowed
+from gridsolve.stages.engine.paths import import_named
 from gridsolve.stages.model.multidim_linear import MultidimLinear
 
 
@@ -35,18 +34,7 @@ def _model_name(config: ModelConfig) -> str:
 # ---------------------------------------------------------------- building
 def import_target(target: str, stage: str) -> type[nn.Module]:
     """The nn.Module class at ``package.module:Class``."""
-    mod_name, _, cls_name = target.partition(":")
-    ensure_module_allowed(mod_name, stage)
-    try:
-        module = importlib.import_module(mod_name)
-    except Exception as exc:
-        raise ConfigError(
-            f"cannot import module {mod_name!r} for model.target",
-            stage=stage,
-            found=f"{type(exc).__name__}: {exc}",
-            fix="check the spelling, and that the package is installed where the flow runs",
-        ) from exc
-    cls = getattr(module, cls_name, None)
+    cls = import_named(target, stage, "model.target")
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ConfigError(
             f"model.target {target!r} is not a torch.nn.Module class",

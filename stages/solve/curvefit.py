@@ -13,7 +13,6 @@ outcome has its own status code (``levmar_status.FIT_STATUS_FLAGS``).
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,9 +27,9 @@ from gridsolve.schemas.metadata import LoadMeta
 from gridsolve.stages.design.builtin import obs_axis, stored_time
 from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device, work_share
-from gridsolve.stages.engine.paths import ensure_module_allowed
+from gridsolve.stages.engine.paths import import_named
 from gridsolve.stages.engine.store import Artifact, StageOutput
-from gridsolve.stages.solve.levmar import fit_batched
+from gridsolve.stages.solve.levmar import default_max_iter, fit_batched
 from gridsolve.stages.solve.levmar_status import FIT_STATUS_FLAGS, FitStatus
 
 STAGE = "solve/curvefit"
@@ -65,18 +64,7 @@ _HOW = (
 
 def target_object(config: CurvefitSolve) -> Any:
     """What ``target`` names, imported: a function or a class (ConfigError if neither)."""
-    mod_name, _, name = config.target.partition(":")
-    ensure_module_allowed(mod_name, STAGE)
-    try:
-        module = importlib.import_module(mod_name)
-    except Exception as exc:
-        raise ConfigError(
-            f"cannot import module {mod_name!r} for solve.target",
-            stage=STAGE,
-            found=f"{type(exc).__name__}: {exc}",
-            fix="check the spelling, and that the package is installed where the flow runs",
-        ) from exc
-    obj = getattr(module, name, None)
+    obj = import_named(config.target, STAGE, "solve.target")
     if not callable(obj):
         raise ConfigError(
             f"solve.target {config.target!r} is not a function or an nn.Module class",
@@ -324,7 +312,7 @@ def fit_pixels(
             parts.append(res.arrays())
         return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
 
-    limit = config.max_iter or 100 * (n_param + 1)  # fit_batched's default: MINPACK's
+    limit = config.max_iter or default_max_iter(n_param)
     first = min(limit, FIRST_STEPS)
     out = fit(np.arange(B.shape[0]), first)
     if first < limit:

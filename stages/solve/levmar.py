@@ -74,6 +74,11 @@ class LMResult:
         return {k: v.detach().cpu().numpy() for k, v in vars(self).items()}
 
 
+def default_max_iter(n_param: int) -> int:
+    """Trial steps per pixel when none are given: MINPACK's ``maxfev`` for ``lmder``."""
+    return 100 * (n_param + 1)
+
+
 def fit_batched(
     f: Model,
     t: torch.Tensor,
@@ -114,7 +119,7 @@ def fit_batched(
     tol_f = eps**0.5 if ftol is None else ftol
     if min(tol_x, tol_f, gtol) < 0 or factor <= 0:
         raise ValueError("xtol, ftol and gtol must be >= 0 and factor > 0")
-    limit = 100 * (n_param + 1) if max_iter is None else max_iter
+    limit = default_max_iter(n_param) if max_iter is None else max_iter
     if limit < 1:
         raise ValueError(f"max_iter must be >= 1, got {max_iter}")
     st = start(prob, u0)

@@ -26,11 +26,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from my_curves import season
 from scipy.optimize import curve_fit
 
 from gridsolve.stages.engine.outputs import flag_attrs
 from gridsolve.stages.solve.levmar import LMResult, fit_batched
 from gridsolve.stages.solve.levmar_status import FIT_STATUS_FLAGS, FitStatus
+
+from testkit import season_jac, season_np
 
 T = np.linspace(0.0, 365.0, 46)  # 8-day composites over a year
 P0_SEASON = np.array([0.2, 0.5, 0.08, 120.0, 0.07, 275.0])
@@ -38,27 +41,6 @@ REGULAR, FLAT, SPARSE = 180, 10, 10  # pixels of the season cube, in this order
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def season(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Double logistic NDVI season: green-up at p[3], senescence at p[5]."""
-    return p[0] + p[1] * (torch.sigmoid(p[2] * (t - p[3])) - torch.sigmoid(p[4] * (t - p[5])))
-
-
-def season_np(t: np.ndarray, *p: float) -> np.ndarray:
-    up = 1 / (1 + np.exp(-p[2] * (t - p[3])))
-    down = 1 / (1 + np.exp(-p[4] * (t - p[5])))
-    out: np.ndarray = p[0] + p[1] * (up - down)
-    return out
-
-
-def season_jac(t: np.ndarray, *p: float) -> np.ndarray:
-    _, b, c, d, e, g = p
-    up = 1 / (1 + np.exp(-c * (t - d)))
-    down = 1 / (1 + np.exp(-e * (t - g)))
-    dup, ddown = up * (1 - up), down * (1 - down)
-    cols = [np.ones_like(t), up - down, b * dup * (t - d), -b * dup * c]
-    return np.stack([*cols, -b * ddown * (t - g), b * ddown * e], axis=1)
 
 
 def recovery(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
