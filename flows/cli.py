@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="override one field, e.g. --set solve.ridge=0.1 (repeatable)",
+    )
+    r.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print where the run's time went: imports, Prefect, each stage's phases",
     )
 
     v = sub.add_parser("validate", help="check a config file (and the input file's structure)")
@@ -425,11 +431,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _run(config, args.overrides, args.debug)
 
 
-def _run(config_path: Path, overrides: Sequence[str], debug: bool = False) -> int:
+def _run(
+    config_path: Path, overrides: Sequence[str], debug: bool = False, profile: bool = False
+) -> int:
     from gridsolve.flows.failures import install
     from gridsolve.flows.pipeline import run_config
     from gridsolve.schemas.reading import load_config
+    from gridsolve.stages.engine import timing
     from gridsolve.stages.engine.overlap import refuse_destructive_outputs
+
+    timing.mark("imported")
 
     if not debug:
         install(cli=True)  # main() prints a user error; Prefect's console log must not repeat it
@@ -444,6 +455,11 @@ def _run(config_path: Path, overrides: Sequence[str], debug: bool = False) -> in
     for kind, counts in summary.counts.items():
         print(f"status of {kind}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     print(f"output: {summary.output}")
+    if profile:
+        from gridsolve.flows.reporting import profile_table
+
+        table, _ = profile_table(summary, timing.MARKS, timing.process_start(), time.time())
+        print(table)
     return 0
 
 
@@ -460,7 +476,7 @@ def local_template_values() -> dict[str, str]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a config file."""
-    return _run(Path(args.config), args.overrides, args.debug)
+    return _run(Path(args.config), args.overrides, args.debug, args.profile)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -28,11 +28,12 @@ from prefect.client.schemas.objects import State
 from prefect.context import TaskRunContext
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run as rt_flow_run
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from gridsolve.flows.automations import FLOW_NAME, SCHEDULED_TAG
 from gridsolve.flows.failures import install as install_failure_logging
 from gridsolve.flows.failures import noting_user_errors
+from gridsolve.flows.heartbeat import install as install_heartbeats
 from gridsolve.flows.reporting import (
     RunSummary,
     StageSummary,
@@ -91,6 +92,8 @@ from gridsolve.stages.engine.runner import (
     with_sources,
 )
 from gridsolve.stages.engine.store import open_store
+from gridsolve.stages.engine.timing import add as add_phases
+from gridsolve.stages.engine.timing import mark
 from gridsolve.stages.write.retention import apply_keep_last
 from gridsolve.stages.write.target import check_write_target
 
@@ -115,6 +118,14 @@ class StoreCachePolicy(CachePolicy):
         cache: CacheConfig = inputs["cache"]
         if not cache.enabled:
             return None
+        t0 = time.perf_counter()
+        key = self._key(inputs)
+        if key is not None:  # the run summary counts it in the stage's "key" phase
+            _POLICY_SECONDS[key] = _POLICY_SECONDS.get(key, 0.0) + time.perf_counter() - t0
+        return key
+
+    def _key(self, inputs: dict[str, Any]) -> str | None:
+        cache: CacheConfig = inputs["cache"]
         store = open_store(cache.root, cache.storage_options)
         ctx = StageContext(store=store, peers=inputs.get("peers") or {})
         config: StageConfig = inputs["config"]
@@ -133,6 +144,10 @@ class StoreCachePolicy(CachePolicy):
             # Never let Prefect return a cached reference to an artifact that is gone.
             (store.root / PREFECT_RECORDS / key).unlink(missing_ok=True)
         return key
+
+
+#: Seconds the cache policy spent on each key in this process (the task runs after it).
+_POLICY_SECONDS: dict[str, float] = {}
 
 
 TASK_OPTIONS: dict[str, Any] = {
@@ -278,6 +293,7 @@ class PreparedStage(BaseModel):
     run: StageRun
     hit: bool
     seconds: float
+    phases: dict[str, float] = Field(default_factory=dict)
 
 
 class TilePhase(BaseModel):
@@ -349,8 +365,12 @@ def _stage_tiles(
     upstream: tuple[dict[str, Ref], dict[str, dict[int, ArtifactRef]]],
     cfg: PipelineConfig,
     progress: _Progress,
+    phases: dict[str, float],
 ) -> tuple[dict[int, ArtifactRef], list[bool]]:
-    """Run (or reuse) every tile of one tiled stage: refs by tile index, and hits."""
+    """Run (or reuse) every tile of one tiled stage: refs by tile index, and hits.
+
+    The tiles' runner phases are added to ``phases``.
+    """
     refs, tile_refs = upstream
     task_fn = tile_task.with_options(name=f"{step.kind}-tile", **task_options(cfg.cache))
 
@@ -373,6 +393,7 @@ def _stage_tiles(
         run = fut.result()
         by_index[tile.index] = run.ref
         hits.append(was_hit(fut.state, run))
+        add_phases(phases, _ran(fut.state, run))
         progress.one_more(step.kind)
     return by_index, hits
 
@@ -400,7 +421,8 @@ def run_tiles(
     for step in steps:
         prep = prepared[step.kind]
         t0 = time.perf_counter()
-        by_index, hits = _stage_tiles(step, prep, tiles, (refs, tile_refs), cfg, progress)
+        phases = dict(prep.phases)
+        by_index, hits = _stage_tiles(step, prep, tiles, (refs, tile_refs), cfg, progress, phases)
         tile_refs[step.kind] = by_index
         refs[step.kind] = out_refs[step.kind] = tiled_ref(
             step, prep.run.ref, [by_index[t.index] for t in tiles]
@@ -411,7 +433,11 @@ def run_tiles(
         pixels = sum(t.pixels for t in tiles)
         seconds = prep.seconds + time.perf_counter() - t0
         key = refs[step.kind].key
-        rows.append(summary_row(step.kind, step.decl.impl, key, hits, seconds, pixels, tiled=True))
+        rows.append(
+            summary_row(
+                step.kind, step.decl.impl, key, hits, seconds, pixels, tiled=True, phases=phases
+            )
+        )
         logger.info("%s: cache %s (%d tile(s))", step.name, rows[-1].cache, len(tiles))
     return TilePhase(refs=out_refs, rows=rows, counts=counts)
 
@@ -461,6 +487,18 @@ def dask_runner(execution: ExecutionConfig) -> Any:
     )
 
 
+def _ran(state: State[Any], run: StageRun) -> dict[str, float]:
+    """The phases of a task's run: its cache key's in Prefect's policy, then the runner's.
+
+    Where Prefect's cache answered, the run's are those of the run that made it: left out.
+    """
+    phases = {} if state.name == "Cached" else dict(run.phases)
+    policy = _POLICY_SECONDS.pop(run.ref.key, 0.0)
+    if policy:
+        phases["key"] = phases.get("key", 0.0) + policy
+    return phases
+
+
 def _this_runs_sources(
     step: Step, state: State[Any], cache: CacheConfig, execution: ExecutionConfig
 ) -> StageRun:
@@ -492,7 +530,13 @@ def _whole(
     )
     run: StageRun = _this_runs_sources(step, state, cache, execution)
     row = summary_row(
-        step.kind, step.decl.impl, run.ref.key, [was_hit(state, run)], time.perf_counter() - t0, 0
+        step.kind,
+        step.decl.impl,
+        run.ref.key,
+        [was_hit(state, run)],
+        time.perf_counter() - t0,
+        0,
+        phases=_ran(state, run),
     )
     return run, row
 
@@ -514,7 +558,10 @@ def _prepare(
         )
         run = _this_runs_sources(step, state, cfg.cache, cfg.execution)
         prepared[step.kind] = PreparedStage(
-            run=run, hit=was_hit(state, run), seconds=time.perf_counter() - t0
+            run=run,
+            hit=was_hit(state, run),
+            seconds=time.perf_counter() - t0,
+            phases=_ran(state, run),
         )
         refs[step.kind] = tiled_ref(step, run.ref)
     return prepared
@@ -650,6 +697,7 @@ def run_pipeline(cfg: PipelineConfig) -> RunSummary:
         refs.update(phase.refs)
         rows.extend(phase.rows)
         counts.update(phase.counts)
+    mark("stages-done")
     summary = RunSummary(
         stages=rows,
         output=output,
@@ -692,6 +740,7 @@ def pipeline(
 
     """
     sections = dict(locals())  # the parameters, one per PipelineConfig field
+    mark("flow-begin")
     install_failure_logging()  # again: Prefect may have replaced its handlers since import
     started_ns = time.time_ns()
     cfg = in_deployment_home(build_config(sections))
@@ -705,6 +754,7 @@ def pipeline(
     if getattr(cfg.write, "keep_last", None) is not None:
         finish_pictures()  # keep_last opens older outputs: not beside the drawing thread
     apply_keep_last(cfg.write, summary.output, started_ns, logger, reads, owner)
+    mark("flow-end")
     return summary
 
 
@@ -722,7 +772,9 @@ def run_config(cfg: PipelineConfig, config_file: str | Path | None = None) -> Ru
     token = _CONFIG_FILE.set(Path(config_file) if config_file is not None else None)
     try:
         with pictures_after_the_run():  # drawn while the flow run finishes
+            mark("flow-call")
             summary: RunSummary = pipeline(**params)
+            mark("flow-return")
     finally:
         _CONFIG_FILE.reset(token)
     return summary
@@ -730,3 +782,4 @@ def run_config(cfg: PipelineConfig, config_file: str | Path | None = None) -> Ru
 
 # At import: a worker's engine subprocess and Dask workers import this module too.
 install_failure_logging()
+install_heartbeats()  # heartbeats that stop when the run ends (flows/heartbeat.py)

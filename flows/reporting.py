@@ -20,7 +20,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.client.schemas.objects import State
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as rt_flow_run
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from gridsolve.flows.runtime import deployment_name
 from gridsolve.report.pictures import (
@@ -33,6 +33,7 @@ from gridsolve.report.pictures import (
 from gridsolve.report.pictures import markdown as quicklook_markdown
 from gridsolve.schemas.artifacts import StageRun
 from gridsolve.schemas.pipeline import PipelineConfig
+from gridsolve.stages.engine.timing import ordered
 
 
 class StageSummary(BaseModel):
@@ -49,6 +50,9 @@ class StageSummary(BaseModel):
     pixels: int
     #: None for a stage that is not tiled over pixels (or took no measurable time)
     pixels_per_second: float | None
+    #: seconds per runner phase (key, setup, read, compute, write, store, …), summed over
+    #: the stage's parts; empty where Prefect's cache answered (its task never ran)
+    phases: dict[str, float] = Field(default_factory=dict)
 
 
 class RunSummary(BaseModel):
@@ -110,8 +114,9 @@ def summary_row(
     seconds: float,
     pixels: int,
     tiled: bool = False,
+    phases: Mapping[str, float] | None = None,
 ) -> StageSummary:
-    """The summary row of one stage from its parts' hits, its seconds and its pixels."""
+    """The summary row of one stage from its parts' hits, its seconds, pixels and phases."""
     label = cache_label(hits, tiled)
     return StageSummary(
         stage=kind,
@@ -122,6 +127,7 @@ def summary_row(
         seconds=round(seconds, 4),
         pixels=pixels,
         pixels_per_second=round(pixels / seconds, 1) if seconds > 0 and pixels else None,
+        phases={k: round(v, 4) for k, v in ordered(phases or {}).items()},
     )
 
 
@@ -278,3 +284,53 @@ def pictures_after_the_run() -> Iterator[None]:
         _LATER.reset(token)
         for job in jobs:
             job.finish()
+
+
+def _phase_line(row: StageSummary) -> str:
+    """A stage's phases, then what its task cost beyond them (Prefect's part)."""
+    parts = [f"{name} {sec:.2f}" for name, sec in row.phases.items() if sec >= 0.005]
+    if not row.phases:
+        return "Prefect's cache answered: its task never ran" if row.hit else ""
+    rest = row.seconds - sum(row.phases.values())
+    if rest >= 0:
+        parts.append(f"task {rest:.2f}")
+    else:  # tiles in parallel: their phases sum to more than the stage's wall time
+        parts.append(f"tiles in parallel ({sum(row.phases.values()):.2f} s of work)")
+    return " · ".join(parts)
+
+
+def profile_table(
+    summary: RunSummary, marks: Mapping[str, float], start: float | None, end: float
+) -> tuple[str, float]:
+    """Where a run's time went, from ``start`` (the process's) to ``end``; and that total.
+
+    ``marks`` are the run's instants (``stages/engine/timing.py``: ``imported``,
+    ``flow-call``, ``flow-begin``, ``stages-done``, ``flow-end``, ``flow-return``); the
+    rows add up to the total by construction, each stage's row being its task's wall
+    time split into the runner's phases and the task's rest.
+    """
+    t0 = start if start is not None else marks.get("cli", end)
+    at = {name: marks.get(name, t0) for name in ("imported", "flow-call", "flow-begin")}
+    at.update({name: marks.get(name, end) for name in ("stages-done", "flow-end", "flow-return")})
+    stages = sum(r.seconds for r in summary.stages)
+    rows: list[tuple[str, float, str]] = [
+        ("start and imports", at["imported"] - t0, "the interpreter, gridsolve, Prefect"),
+        ("config and checks", at["flow-call"] - at["imported"], "read, validate, refuse"),
+        ("flow run start", at["flow-begin"] - at["flow-call"], "Prefect: the flow run, its API"),
+    ]
+    rows += [(f"  {r.stage}", r.seconds, _phase_line(r)) for r in summary.stages]
+    rows += [
+        (
+            "between stages",
+            at["stages-done"] - at["flow-begin"] - stages,
+            "the flow's own code: plan, tiles, log",
+        ),
+        ("summary and cache", at["flow-end"] - at["stages-done"], "artifacts, housekeeping"),
+        ("flow run end", at["flow-return"] - at["flow-end"], "Prefect: final state, heartbeat"),
+        ("after the flow", end - at["flow-return"], "quick look published, summary"),
+    ]
+    total = end - t0
+    width = max(len(label) for label, _, _ in rows)
+    lines = [f"where the time went ({total:.2f} s from the process start)"]
+    lines += [f"{label:<{width}}  {sec:6.2f} s  {what}".rstrip() for label, sec, what in rows]
+    return "\n".join(lines), total

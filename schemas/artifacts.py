@@ -60,6 +60,8 @@ class StageRun(BaseModel):
     hit: bool
     seconds: float
     pixels: int = 0
+    #: seconds per phase of the runner (``stages/engine/timing.py``): key, setup, read, …
+    phases: dict[str, float] = Field(default_factory=dict)
 
 
 class TiledRef(BaseModel):

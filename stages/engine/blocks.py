@@ -15,6 +15,7 @@ from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.errors import StageError
 from gridsolve.stages.engine.registry import get
 from gridsolve.stages.engine.store import Artifact, native_order
+from gridsolve.stages.engine.timing import part
 
 
 def read_block(source: Artifact, role: str, tile: Tile) -> np.ndarray:
@@ -27,5 +28,6 @@ def read_block(source: Artifact, role: str, tile: Tile) -> np.ndarray:
             stage=f"{kind}/{impl}",
             fix="declare StageDecl.read_block on the implementation that describes the cube",
         )
-    block: np.ndarray = native_order(decl.read_block(source.meta, role, tile))
+    with part("read"):
+        block: np.ndarray = native_order(decl.read_block(source.meta, role, tile))
     return block

@@ -31,8 +31,9 @@ from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.contract import check as check_contract
 from gridsolve.stages.engine.contract import contract_of
 from gridsolve.stages.engine.hashing import canonical_json, stage_key, tile_key
-from gridsolve.stages.engine.registry import SOURCE, StageDecl, decl_for
+from gridsolve.stages.engine.registry import SOURCE, Lazy, StageDecl, decl_for
 from gridsolve.stages.engine.store import Artifact, StageOutput, Store, TiledArtifact
+from gridsolve.stages.engine.timing import Clock
 from gridsolve.stages.engine.versions import code_digest, package_versions
 
 Ref = ArtifactRef | TiledRef
@@ -221,9 +222,21 @@ def _open(ref: Ref, store: Store) -> Artifact | TiledArtifact:
     return _with_source(store.get(ref.key), ref)
 
 
-def _call(decl: StageDecl, fn: Any, *args: Any) -> StageOutput:
+def _work(decl: StageDecl) -> str:
+    """The phase a stage's own function is counted in: reading the cube, writing, computing."""
+    if decl.read_block is not None:
+        return "read"
+    return "write" if decl.writes_outputs else "compute"
+
+
+def _call(decl: StageDecl, fn: Any, *args: Any, clock: Clock | None = None) -> StageOutput:
+    clock = clock or Clock()
     try:
-        out = fn(*args)
+        if isinstance(fn, Lazy):
+            with clock.phase("setup"):  # importing the implementation's modules
+                fn = fn.resolve()
+        with clock.phase(_work(decl)):
+            out = fn(*args)
     except GridsolveError as exc:
         raise exc.with_stage(_name(decl)) from None
     except OSError as exc:
@@ -290,6 +303,7 @@ def _result(
     tile: Tile | None = None,
     extra_meta: Mapping[str, Any] | None = None,
     pixels: int = 0,
+    clock: Clock | None = None,
 ) -> StageRun:
     ref = ArtifactRef(
         kind=decl.kind,
@@ -299,7 +313,13 @@ def _result(
         tile=tile,
         meta={**art.meta, **(extra_meta or {})},
     )
-    return StageRun(ref=ref, hit=hit, seconds=time.perf_counter() - t0, pixels=pixels)
+    return StageRun(
+        ref=ref,
+        hit=hit,
+        seconds=time.perf_counter() - t0,
+        pixels=pixels,
+        phases=clock.rounded() if clock is not None else {},
+    )
 
 
 def run_stage(
@@ -307,19 +327,25 @@ def run_stage(
 ) -> StageRun:
     """Run (or reuse) a whole, untiled stage."""
     t0 = time.perf_counter()
+    clock = Clock()
     decl = decl_for(config)
-    key, code = _key_and_code(config, refs, ctx)
-    src = source_meta(config, ctx)
+    with clock.phase("key"):
+        key, code = _key_and_code(config, refs, ctx)
+        src = source_meta(config, ctx)
     run_meta = {SOURCE: src} if src else None
-    art = reusable(ctx.store, key, decl) if use_cache else None
+    with clock.phase("lookup"):
+        art = reusable(ctx.store, key, decl) if use_cache else None
     if art is not None:
-        return _result(decl, key, art, ctx.store, t0, True, extra_meta=run_meta)
-    inputs = {k: _open(refs[k], ctx.store) for k in reads(decl, refs)}
+        return _result(decl, key, art, ctx.store, t0, True, extra_meta=run_meta, clock=clock)
+    with clock.phase("open"):
+        inputs = {k: _open(refs[k], ctx.store) for k in reads(decl, refs)}
     ctx.key = key
-    out = _call(decl, decl.run, config, inputs, ctx)
-    _check(decl, "whole", out)
-    art = ctx.store.put(key, out, _info(decl, config, refs, "whole", code))
-    return _result(decl, key, art, ctx.store, t0, False, extra_meta=run_meta)
+    out = _call(decl, decl.run, config, inputs, ctx, clock=clock)
+    with clock.phase("check"):
+        _check(decl, "whole", out)
+    with clock.phase("store"):
+        art = ctx.store.put(key, out, _info(decl, config, refs, "whole", code))
+    return _result(decl, key, art, ctx.store, t0, False, extra_meta=run_meta, clock=clock)
 
 
 def prepare_stage(
@@ -327,22 +353,30 @@ def prepare_stage(
 ) -> StageRun:
     """Run (or reuse) the once-per-stage part of a tiled stage."""
     t0 = time.perf_counter()
+    clock = Clock()
     decl = decl_for(config)
     if not decl.tiled or decl.prepare is None:
         raise StageError(f"{_name(decl)} is not a tiled stage", stage=_name(decl))
-    stage, code = _key_and_code(config, refs, ctx)
-    key = tile_key(stage, PREPARE)
-    art = reusable(ctx.store, key, decl) if use_cache else None
+    with clock.phase("key"):
+        stage, code = _key_and_code(config, refs, ctx)
+        key = tile_key(stage, PREPARE)
+    with clock.phase("lookup"):
+        art = reusable(ctx.store, key, decl) if use_cache else None
     hit = art is not None
     if art is None:
-        inputs = {k: _open(refs[k], ctx.store) for k in reads(decl, refs)}
+        with clock.phase("open"):
+            inputs = {k: _open(refs[k], ctx.store) for k in reads(decl, refs)}
         ctx.key = key
-        out = _call(decl, decl.prepare, config, inputs, ctx)
-        _check(decl, "prepare", out)
-        art = ctx.store.put(key, out, _info(decl, config, refs, "prepare", code))
-    src = source_meta(config, ctx)
+        # a prepare step computes whatever its stage's role
+        out = _call(decl, decl.prepare, config, inputs, ctx, clock=clock)
+        with clock.phase("check"):
+            _check(decl, "prepare", out)
+        with clock.phase("store"):
+            art = ctx.store.put(key, out, _info(decl, config, refs, "prepare", code))
+    with clock.phase("key"):
+        src = source_meta(config, ctx)
     extra: dict[str, Any] = {"_stage_key": stage, **({SOURCE: src} if src else {})}
-    return _result(decl, key, art, ctx.store, t0, hit, extra_meta=extra)
+    return _result(decl, key, art, ctx.store, t0, hit, extra_meta=extra, clock=clock)
 
 
 def run_tile(
@@ -356,17 +390,26 @@ def run_tile(
 ) -> StageRun:
     """Run (or reuse) one tile of a tiled stage; tiled inputs are given as this tile's refs."""
     t0 = time.perf_counter()
+    clock = Clock()
     decl = decl_for(config)
-    key = cache_key(config, refs, ctx, prepared=prepared, tile=tile)
-    art = reusable(ctx.store, key, decl) if use_cache else None
+    with clock.phase("key"):
+        key = cache_key(config, refs, ctx, prepared=prepared, tile=tile)
+    with clock.phase("lookup"):
+        art = reusable(ctx.store, key, decl) if use_cache else None
     if art is not None:
-        return _result(decl, key, art, ctx.store, t0, True, tile=tile, pixels=tile.pixels)
-    inputs = {k: _open(refs[k], ctx.store) for k in reads(decl, refs)}
+        return _result(
+            decl, key, art, ctx.store, t0, True, tile=tile, pixels=tile.pixels, clock=clock
+        )
+    with clock.phase("open"):
+        inputs = {k: _open(refs[k], ctx.store) for k in reads(decl, refs)}
+        prepared_art = ctx.store.get(prepared.key)
     ctx.key = key
-    out = _call(decl, decl.run, config, inputs, ctx.store.get(prepared.key), tile, ctx)
+    out = _call(decl, decl.run, config, inputs, prepared_art, tile, ctx, clock=clock)
     ny, nx = tile.shape
-    _check(decl, "tile", out, {"y": ny, "x": nx})
-    art = ctx.store.put(
-        key, out, {**_info(decl, config, refs, "tile"), "tile": list(tile.bounds())}
-    )
-    return _result(decl, key, art, ctx.store, t0, False, tile=tile, pixels=tile.pixels)
+    with clock.phase("check"):
+        _check(decl, "tile", out, {"y": ny, "x": nx})
+    with clock.phase("store"):
+        art = ctx.store.put(
+            key, out, {**_info(decl, config, refs, "tile"), "tile": list(tile.bounds())}
+        )
+    return _result(decl, key, art, ctx.store, t0, False, tile=tile, pixels=tile.pixels, clock=clock)

@@ -20,6 +20,7 @@ import torch
 
 from gridsolve.stages.engine.agreement import disagreements
 from gridsolve.stages.engine.pyparse import PARSE_LOCK
+from gridsolve.stages.engine.timing import part
 from gridsolve.stages.model.checks import (
     _first_line,
 )
@@ -111,7 +112,7 @@ def compiled_kernel(
     # thread reading an array header meets CPython 3.11's unsafe ast constructor
     # (stages/engine/pyparse.py). A recompile later (a guard that fails) would parse
     # outside it; the pixel dimension is marked dynamic so that tile sizes do not.
-    with entry.lock, PARSE_LOCK:
+    with entry.lock, PARSE_LOCK, part("setup"):  # compiling and its probe: setup
         if not entry.checked:
             entry.checked = True
             try:

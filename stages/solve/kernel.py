@@ -84,6 +84,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gridsolve.stages.engine.timing import part
+
 #: Choice of kernel: ``auto`` (C where it builds, else eager), ``c`` (C, or an
 #: error saying why it cannot be built), ``eager`` (torch only).
 ENV = "GRIDSOLVE_SOLVE_KERNEL"
@@ -241,6 +243,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
+    with part("setup"):  # once per process: the run summary counts it as setup
+        return _find_library()
+
+
+def _find_library() -> ctypes.CDLL | None:
     how = choice()
     if how == "eager":
         return None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -275,3 +277,37 @@ def test_the_command_keeps_openblas_on_one_thread_unless_told(
         [sys.executable, "-c", OPENBLAS_PROBE], capture_output=True, text=True, env=env, timeout=600
     )
     assert res.stdout.strip().splitlines()[-1] == expect, res.stderr[-2000:]
+
+
+def _profile_rows(stdout: str) -> tuple[float, dict[str, float]]:
+    """The total and the rows (label → seconds) of `gridsolve run --profile`'s table."""
+    lines = stdout.splitlines()
+    (head,) = [i for i, line in enumerate(lines) if line.startswith("where the time went")]
+    total = float(lines[head].split("(")[1].split()[0])
+    rows: dict[str, float] = {}
+    for line in lines[head + 1 :]:
+        found = re.match(r"^(?P<label>.+?)\s+(?P<seconds>-?\d+\.\d\d) s(\s|$)", line)
+        assert found, line
+        rows[found["label"]] = float(found["seconds"])
+    return total, rows
+
+
+@pytest.mark.slow  # ≥ 5 s beside a CPU hog: in CI, not in the fast tier
+@pytest.mark.usefixtures("prefect_server")
+def test_profile_adds_up_to_the_wall_time(tmp_path: Path) -> None:
+    make_ds(20, 6, 5, nan_fraction=0.2).to_netcdf(tmp_path / "cube.nc")
+    cfg = write_config(tmp_path, tmp_path / "cube.nc")
+    t0 = time.perf_counter()
+    res = gridsolve("run", str(cfg), "--profile", cwd=tmp_path)
+    wall = time.perf_counter() - t0
+    assert res.returncode == 0, res.stderr[-3000:]
+    total, rows = _profile_rows(res.stdout)
+    stages = {k.strip() for k in rows if k.startswith("  ")}
+    assert stages == {"load", "design", "normal_equations", "solve", "model", "write"}, rows
+    # Its rows are the run from the process start: they add up to its total, which is
+    # the wall time but for the interpreter's exit after the table was printed.
+    assert sum(rows.values()) == pytest.approx(total, abs=0.05 + 0.005 * len(rows))
+    assert 0.9 * wall <= total <= wall, (total, wall, res.stdout)
+    # The solve's phases name the import of its code (torch) as setup, and its compute.
+    solve = next(line for line in res.stdout.splitlines() if line.startswith("  solve "))
+    assert "setup" in solve and "compute" in solve, solve

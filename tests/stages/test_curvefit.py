@@ -73,9 +73,20 @@ def test_every_converged_pixel_matches_curve_fit(fitted: tuple[xr.DataArray, xr.
         assert ref is not None, (i, j)  # scipy converges where we say converged
         p, _ = ref
         ours = out["params"].values[:, i, j]
-        np.testing.assert_allclose(ours, p, rtol=1e-6, atol=1e-12)
         if i == 0 and j < 2:
-            continue  # no season: timing not identifiable (stderr ~1e8 days), cov ill-conditioned
+            # No season: its timing is not identifiable (stderr ~1e8 days), the cost is flat
+            # along it, and where on that flat valley a fit stops depends on the CPU's
+            # rounding (2.6e-6 apart on an Intel Xeon). What the data determine is checked:
+            # the cost (ours no higher than scipy's) and the fitted curve.
+            row = da.values[:, i, j]
+            v = np.isfinite(row)
+            cost = np.sum((row[v] - season_np(t[v], *ours)) ** 2)
+            assert cost <= np.sum((row[v] - season_np(t[v], *p)) ** 2) * (1 + 1e-9), (i, j)
+            # (at the step of its near-vertical edge the curves part by 7e-7: 1e-5 is still
+            # 3,000 times below the noise of these data, σ = 0.03)
+            np.testing.assert_allclose(season_np(t, *ours), season_np(t, *p), rtol=0, atol=1e-5)
+            continue
+        np.testing.assert_allclose(ours, p, rtol=1e-6, atol=1e-12)
         # curve_fit's pcov formula at its solution (its own pcov uses the Jacobian of the
         # step before; test_levmar.py measures that difference)
         cov = pcov_at(t, da.values[:, i, j], p)
