@@ -136,9 +136,13 @@ def imported_modules(stderr: str) -> list[str]:
         if not line.startswith("import time:"):
             continue
         name = line.rsplit("|", 1)[-1]
-        if name.startswith(" ") and not name.startswith("  ") and "." not in name.strip():
+        if (
+            name.startswith(" ")
+            and not name.startswith("  ")
+            and name.strip() != "imported package"
+        ):
             names.append(name.strip())
-    return [n for n in dict.fromkeys(names) if not n.startswith("_") and n != "encodings"]
+    return [n for n in dict.fromkeys(names) if not n.startswith("_")]
 
 
 #: Small runs: observations and grid side (issue 28: ≤ 6 s cold, ≤ 3 s fully cached).

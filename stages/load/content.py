@@ -7,7 +7,10 @@ turn those counts into one ContractError listing every unusable value.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +30,35 @@ from gridsolve.stages.load.patterns import GridPatterns
 from gridsolve.stages.load.source import Source, _values
 
 _BLOCK_BYTES = 64 * 2**20
+
+
+#: One thread beside the scan's (see :func:`_stream`), shared by the process's scans; by
+#: process id, so that a forked child makes its own (the parent's thread is not in it).
+_SIDE: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_SIDE_LOCK = threading.Lock()
+
+
+def _side() -> concurrent.futures.ThreadPoolExecutor:
+    with _SIDE_LOCK:
+        pid = os.getpid()
+        if pid not in _SIDE:
+            _SIDE.clear()
+            _SIDE[pid] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="gridsolve-scan"
+            )
+        return _SIDE[pid]
+
+
+def _hash_and_patterns(
+    hasher: ArrayHasher,
+    patterns: GridPatterns | None,
+    block: np.ndarray,
+    start: int,
+    is_finite: np.ndarray | None,
+) -> None:
+    hasher.update(block)
+    if patterns is not None:
+        patterns.update(block, start, is_finite)
 
 
 def _stream(
@@ -53,18 +85,23 @@ def _stream(
     for start in range(0, n0, step):
         rows = {da.dims[0]: slice(start, start + step)}
         block = _values(da, functools.partial(xr.DataArray.isel, indexers=rows), what, path, count)
-        hasher.update(block)
-        if patterns is not None:
-            patterns.update(block, start)
-        if block.dtype.kind == "f":
-            isnan = np.isnan(block)
-            nan += int(isnan.sum())
-            isinf = np.isinf(block)
-            n_inf = int(isinf.sum())
+        # One isfinite pass serves the gap patterns and the counts; isinf only where some
+        # value is not finite (count_nonzero: a bool array's sum() is several times slower).
+        is_finite = np.isfinite(block) if block.dtype.kind == "f" else None
+        # The hash and the gap patterns (neither holds the GIL) beside the counts below:
+        # the scan is a user's first wait on a new file.
+        side = _side().submit(_hash_and_patterns, hasher, patterns, block, start, is_finite)
+        if is_finite is not None:
+            not_finite = block.size - int(np.count_nonzero(is_finite))
+            n_inf = 0
+            if not_finite:
+                isinf = np.isinf(block)
+                n_inf = int(np.count_nonzero(isinf))
+            nan += int(not_finite - n_inf)
             if n_inf and first_inf is None:
                 idx = np.argwhere(isinf)[0]
                 first_inf = (int(idx[0]) + start, *(int(i) for i in idx[1:]))
-            inf += n_inf
+            inf += int(n_inf)
             finite = np.where(isinf, 0, block) if n_inf else block
         else:
             finite = block
@@ -73,6 +110,7 @@ def _stream(
         if finite.size and finite.dtype.kind in "fiu":
             hi, lo = np.fmax.reduce(finite, axis=None), np.fmin.reduce(finite, axis=None)
             abs_max = float(np.fmax(abs_max, np.fmax(abs(float(hi)), abs(float(lo)))))
+        side.result()  # in order: the next block's hash follows this one's
     return {
         "nan": nan,
         "inf": inf,

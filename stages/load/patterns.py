@@ -9,6 +9,8 @@ the pixels of one tile, keeps every pixel's result independent of the tiling.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 #: Pixels that must share a gap pattern before it gets its own factorisation.
@@ -32,11 +34,24 @@ def pattern_hash(valid: np.ndarray) -> np.ndarray:
 
 
 def extend(h: np.ndarray, valid: np.ndarray) -> None:
-    """Fold more observations (in order) into running hashes ``h``, in place."""
+    """Fold more observations (in order) into running hashes ``h``, in place.
+
+    Each observation is ``h = h·M + valid + 1`` (mod 2⁶⁴); the ``+ 1`` of the ``n``
+    steps adds up to ``Σ_{j<n} Mʲ`` whatever the values, added once at the end (half
+    the passes over ``h``, and no converted copy of each row).
+    """
     with np.errstate(over="ignore"):
         for row in valid:
-            h *= _MULT
-            h += row.astype(np.uint64) + np.uint64(1)
+            np.multiply(h, _MULT, out=h)
+            np.add(h, row, out=h, casting="unsafe")  # bool: 0 or 1
+        h += _ones(len(valid))
+
+
+@functools.cache
+def _ones(n: int) -> np.uint64:
+    """``Σ_{j<n} M^j`` mod 2⁶⁴: what ``n`` steps' ``+ 1`` add to a running hash."""
+    m, mod = int(_MULT), 2**64
+    return np.uint64(sum(pow(m, j, mod) for j in range(n)) % mod)
 
 
 def common_patterns(h: np.ndarray, full: np.uint64) -> np.ndarray:
@@ -59,9 +74,12 @@ class GridPatterns:
         self.h = np.full(spatial, _SEED, dtype=np.uint64)
         self.full = full_hash(sizes[obs_dim])
 
-    def update(self, block: np.ndarray, start: int) -> None:
-        """Fold a block of the variable (sliced along its first dim from ``start``) in."""
-        valid = np.isfinite(block).transpose(self.order)
+    def update(self, block: np.ndarray, start: int, finite: np.ndarray | None = None) -> None:
+        """Fold a block of the variable (sliced along its first dim from ``start``) in.
+
+        ``finite``: ``np.isfinite(block)``, where the caller has it already.
+        """
+        valid = (np.isfinite(block) if finite is None else finite).transpose(self.order)
         if self.dims[0] == self.obs_dim:
             extend(self.h, valid)
         else:

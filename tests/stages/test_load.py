@@ -581,3 +581,26 @@ def test_xarrays_warning_about_a_file_is_said_once_per_run_however_often_it_is_o
         run_plan(cfg.stage_configs(), ctx, tile_pixels=8)  # 6 tiles, each reads the file
     said = [w for w in caught if "multiple fill values" in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("n_obs", [1, 7, 50])
+def test_gap_pattern_hashes_are_the_running_hash_they_define(n_obs: int) -> None:
+    """``h = h·M + valid + 1`` per observation (mod 2⁶⁴), in blocks along any dim."""
+    from gridsolve.stages.load.patterns import _MULT, _SEED, GridPatterns, pattern_hash
+
+    rng = np.random.default_rng(n_obs)
+    valid = rng.random((n_obs, 9, 4)) < 0.7
+    want = np.full((9, 4), int(_SEED), dtype=object)
+    for row in valid:
+        want = (want * int(_MULT) + row.astype(int) + 1) % 2**64
+    assert np.array_equal(pattern_hash(valid), want.astype(np.uint64))
+    cube = np.where(valid, 1.0, np.nan)
+    whole = GridPatterns(("t", "y", "x"), "t", {"t": n_obs, "y": 9, "x": 4})
+    for start in range(0, n_obs, 3):  # streamed along the observations
+        whole.update(cube[start : start + 3], start)
+    assert np.array_equal(whole.h, want.astype(np.uint64))
+    # a file whose first dim is y, streamed along it
+    by_rows = GridPatterns(("y", "t", "x"), "t", {"t": n_obs, "y": 9, "x": 4})
+    for start in range(0, 9, 4):
+        by_rows.update(np.moveaxis(cube[:, start : start + 4], 1, 0), start)
+    assert np.array_equal(by_rows.h, want.astype(np.uint64))
