@@ -7,7 +7,7 @@ the other (the machine has 2 cores: never two at once), keeps each full output u
 "where do we stand on every speed and memory target".
 
 Usage: python benchmarks/run.py [solve] [model] [pipeline] [train] [cluster] [e2e] [curvefit]
-       [--out FOLDER]
+       [--out FOLDER] [--readme]  (--readme: write the table into README.md, too)
        (no names: all of them; peers come from the ``bench`` extra:
        pip install -e '.[bench]')
 """
@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("names", nargs="*", help=f"some of {', '.join(BENCHMARKS)} (default: all)")
     p.add_argument("--out", default="benchmark-results", help="folder for each full output")
+    p.add_argument(
+        "--readme",
+        action="store_true",
+        help="also write the table into README.md between its benchmark markers",
+    )
     args = p.parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
@@ -86,7 +91,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{met} of {len(rows)} targets met; full outputs in {out}/")
     (out / "summary.md").write_text(markdown(rows, names, machine()))
     print(f"markdown table for docs/benchmarks.md: {out / 'summary.md'}")
+    if args.readme and not failed:
+        readme = HERE.parent / "README.md"
+        readme.write_text(into_readme(readme.read_text(), markdown(rows, names, machine())))
+        print(f"wrote the table into {readme}")
     return 1 if failed else 0
+
+
+#: The README's generated block: what --readme replaces (never edited by hand).
+START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
+
+
+def into_readme(text: str, table: str) -> str:
+    """``text`` with the block between :data:`START` and :data:`END` replaced by ``table``."""
+    head, found, rest = text.partition(START)
+    _, found_end, tail = rest.partition(END)
+    if not found or not found_end:
+        raise SystemExit(f"README.md has no {START} … {END} block to write the table into")
+    note = "<!-- written by `python benchmarks/run.py --readme`; not edited by hand -->"
+    return f"{head}{START}\n{note}\n\n{table}\n{END}{tail}"
 
 
 def markdown(rows: list[tuple[str, str, str, str]], names: list[str], where: str) -> str:

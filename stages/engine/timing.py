@@ -108,3 +108,13 @@ def process_start() -> float | None:
         return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return None
+
+
+def torch_func_ready() -> None:
+    """Import what torch.func's first call imports (``torch._dynamo``, about 1 s), as setup.
+
+    ``vmap`` and ``grad`` import it on first use: without this their first call would count
+    an import as the stage's compute.
+    """
+    with part("setup"):
+        import torch._dynamo  # noqa: F401

@@ -39,6 +39,7 @@ from gridsolve.schemas.kinds.model import ModelConfig
 from gridsolve.schemas.metadata import DesignMeta
 from gridsolve.stages.engine.context import StageContext
 from gridsolve.stages.engine.store import Artifact, StageOutput
+from gridsolve.stages.engine.timing import torch_func_ready
 from gridsolve.stages.model.building import (
     _stage,
     apply_weights,
@@ -66,6 +67,7 @@ from gridsolve.stages.model.tile_run import (
 
 def prepare(config: ModelConfig, inputs: Mapping[str, Artifact], ctx: StageContext) -> StageOutput:
     """Build the model once, check it against the data, store its parameters and buffers."""
+    torch_func_ready()
     stage = _stage(config)
     shape = input_shape(config)
     _check_input_shape(shape, DesignMeta.of(inputs["design"]).coef, stage)
@@ -119,6 +121,7 @@ def run_tile(
     ctx: StageContext,
 ) -> StageOutput:
     """Predictions, per-sample gradients (and Jacobians) and the model status of one tile."""
+    torch_func_ready()
     run = _plan_run(config, inputs, prepared, tile)
     kernel, compile_key = _pick_kernel(run, config, inputs, prepared, ctx.logger)
     chunks = {c: _chunk_pixels(config, run, ctx.memory_budget, compiled=c) for c in (False, True)}

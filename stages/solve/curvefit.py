@@ -29,6 +29,7 @@ from gridsolve.stages.engine.blocks import read_block
 from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device, work_share
 from gridsolve.stages.engine.paths import import_named
 from gridsolve.stages.engine.store import Artifact, StageOutput
+from gridsolve.stages.engine.timing import torch_func_ready
 from gridsolve.stages.solve.levmar import default_max_iter, fit_batched
 from gridsolve.stages.solve.levmar_status import FIT_STATUS_FLAGS, FitStatus
 
@@ -184,6 +185,7 @@ def prepare(
     config: CurvefitSolve, inputs: Mapping[str, Artifact], ctx: StageContext
 ) -> StageOutput:
     """Check f on one pixel and under vmap; store t, the start, the bounds and shared weights."""
+    torch_func_ready()
     load = inputs["load"]
     t = observation_axis(config, load)
     p0 = np.array([config.p0[n] for n in config.params], dtype=np.float64)
@@ -228,6 +230,7 @@ def run_tile(
     ctx: StageContext,
 ) -> StageOutput:
     """Parameters, their standard errors, cost, iterations, RMS, counts and status of one tile."""
+    torch_func_ready()
     load = inputs["load"]
     load_meta = LoadMeta.of(load)
     device = resolve_device(config.device)

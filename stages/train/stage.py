@@ -46,6 +46,7 @@ from gridsolve.stages.engine.context import StageContext, work_share
 from gridsolve.stages.engine.hashing import hash_text
 from gridsolve.stages.engine.pyparse import PARSE_LOCK, load_npy
 from gridsolve.stages.engine.store import Artifact, StageOutput, TiledArtifact
+from gridsolve.stages.engine.timing import torch_func_ready
 from gridsolve.stages.model import building
 from gridsolve.stages.train import dpsgd
 from gridsolve.stages.train.clipped_step import per_sample_grad_norms
@@ -460,6 +461,7 @@ def check_outputs_match_target(
 
 def run(config: GradientTrain, inputs: Mapping[str, Any], ctx: StageContext) -> StageOutput:
     """Train the model's module on the usable pixels; the weights and the loss history."""
+    torch_func_ready()
     model = ctx.peers["model"]
     assert isinstance(model, ModelConfig)
     load, solve = inputs["load"], inputs["solve"]
