@@ -121,6 +121,8 @@ class StoreCachePolicy(CachePolicy):
         t0 = time.perf_counter()
         key = self._key(inputs)
         if key is not None:  # the run summary counts it in the stage's "key" phase
+            if len(_POLICY_SECONDS) > 10_000:  # a Dask worker's: its flow never reads them
+                _POLICY_SECONDS.clear()
             _POLICY_SECONDS[key] = _POLICY_SECONDS.get(key, 0.0) + time.perf_counter() - t0
         return key
 

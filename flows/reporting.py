@@ -152,6 +152,8 @@ def publish(
                 "seconds": float(r.seconds),
                 # empty, not 0, for a stage that is not per pixel
                 "pixels_per_second": r.pixels_per_second,
+                # where its seconds went: setup, read, compute, write, store, Prefect's task
+                "phases": _phase_line(r),
             }
             for r in summary.stages
         ],
@@ -309,7 +311,7 @@ def profile_table(
     rows add up to the total by construction, each stage's row being its task's wall
     time split into the runner's phases and the task's rest.
     """
-    t0 = start if start is not None else marks.get("cli", end)
+    t0 = start if start is not None else marks.get("imported", end)
     at = {name: marks.get(name, t0) for name in ("imported", "flow-call", "flow-begin")}
     at.update({name: marks.get(name, end) for name in ("stages-done", "flow-end", "flow-return")})
     stages = sum(r.seconds for r in summary.stages)
