@@ -269,12 +269,17 @@ def run(folder: Path, n: int, repeats: int, loop_pixels: int) -> None:
         ("incl. store / BackPACK", best_store / backpack_s, 3.0, "≤"),
         ("loop / compute", loop_s / best, 100.0, "≥"),
     ]
-    summary_s = cli_model_seconds(folder / "cli")
-    print(
-        f"gridsolve run's summary, model row (seed demo, cold, setup included): {summary_s:.2f} s"
-        f" = {summary_s / backpack_s:.1f}× BackPACK compute"
-    )
-    verdicts.append(("model stage in the run summary / BackPACK", summary_s / backpack_s, 3.0, "≤"))
+    if n == 500:  # the seed demo's grid: the same problem as BackPACK's row
+        summary_s = cli_model_seconds(folder / "cli")
+        print(
+            f"gridsolve run's summary, model row (seed demo, cold, setup included): "
+            f"{summary_s:.2f} s = {summary_s / backpack_s:.1f}× BackPACK compute"
+        )
+        verdicts.append(
+            ("model stage in the run summary / BackPACK", summary_s / backpack_s, 3.0, "≤")
+        )
+    else:
+        print("gridsolve run's summary: not timed (the seed demo is 500 × 500; --size differs)")
     print_verdicts(verdicts)
 
 
@@ -289,7 +294,7 @@ def cli_model_seconds(folder: Path) -> float:
     if res.returncode != 0:
         raise RuntimeError(f"gridsolve demo --size seed failed: {res.stderr[-2000:]}")
     row = next(line.split() for line in res.stdout.splitlines() if line.startswith("model "))
-    return float(row[4])
+    return float(row[-2])  # seconds, then pixels/s (the cache label may hold spaces)
 
 
 if __name__ == "__main__":

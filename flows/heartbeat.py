@@ -9,10 +9,13 @@ no heartbeat once the run's state is final, the thread joined before the run
 returns) with the thread waiting on its stop event instead, so that it ends
 when told.
 
-It replaces Prefect's only where Prefect's looks as this was written against
-(Prefect 3.4–3.9: the function, the engine methods it calls and the minimum
-interval); elsewhere Prefect's own runs, unchanged: the heartbeats that mark a
-dead run Crashed (``flows/automations.py``) never depend on this module.
+It was written against Prefect 3.9's, and replaces it (in every flow run of a
+process that imported gridsolve's flow) only where Prefect's has the same
+signature and the engine the methods and minimum interval it uses; elsewhere
+Prefect's own runs, unchanged. Either way the heartbeats that mark a dead run
+Crashed (``flows/automations.py``) are sent; tests/flows/test_heartbeat.py fails
+when a Prefect upgrade changes the function's shape, so that this is looked at
+again.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-#: Prefect's, as replaced (None until :func:`install` replaced it).
+#: Prefect's, as replaced (None until :func:`install` replaced it): the tests check its shape.
 _ORIGINAL: Any = None
 
 
@@ -45,6 +48,7 @@ def send_heartbeats(engine: Any, join_on_exit: bool = True) -> Iterator[None]:
         while not stop.is_set():
             run = engine.flow_run
             if run and run.state and run.state.is_final():
+                engine.logger.debug("Flow run in terminal state, stopping heartbeat")
                 return
             try:
                 engine._emit_flow_run_heartbeat(resource, related)
@@ -56,12 +60,14 @@ def send_heartbeats(engine: Any, join_on_exit: bool = True) -> Iterator[None]:
     # As Prefect's: the thread sees the caller's settings (its PREFECT_API_URL).
     thread = threading.Thread(target=contextvars.copy_context().run, args=(beat,), daemon=True)
     thread.start()
+    engine.logger.debug("Started flow run heartbeat context")
     try:
         yield
     finally:
         stop.set()
         if join_on_exit:
             thread.join(timeout=2)
+        engine.logger.debug("Stopped flow run heartbeat context")
 
 
 def _replaceable(engine_module: Any) -> bool:

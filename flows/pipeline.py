@@ -494,8 +494,10 @@ def _ran(state: State[Any], run: StageRun) -> dict[str, float]:
 
     Where Prefect's cache answered, the run's are those of the run that made it: left out.
     """
-    phases = {} if state.name == "Cached" else dict(run.phases)
     policy = _POLICY_SECONDS.pop(run.ref.key, 0.0)
+    if state.name == "Cached":
+        return {}
+    phases = dict(run.phases)
     if policy:
         phases["key"] = phases.get("key", 0.0) + policy
     return phases
@@ -743,6 +745,7 @@ def pipeline(
     """
     sections = dict(locals())  # the parameters, one per PipelineConfig field
     mark("flow-begin")
+    _POLICY_SECONDS.clear()  # a failed task's of an earlier run in this process
     install_failure_logging()  # again: Prefect may have replaced its handlers since import
     started_ns = time.time_ns()
     cfg = in_deployment_home(build_config(sections))

@@ -294,8 +294,8 @@ def _phase_line(row: StageSummary) -> str:
     if not row.phases:
         return "Prefect's cache answered: its task never ran" if row.hit else ""
     rest = row.seconds - sum(row.phases.values())
-    if rest >= 0:
-        parts.append(f"task {rest:.2f}")
+    if rest >= -1e-3:  # the phases are rounded to 0.1 ms each
+        parts.append(f"task {max(rest, 0.0):.2f}")
     else:  # tiles in parallel: their phases sum to more than the stage's wall time
         parts.append(f"tiles in parallel ({sum(row.phases.values()):.2f} s of work)")
     return " · ".join(parts)

@@ -367,7 +367,7 @@ def prepare_stage(
         with clock.phase("open"):
             inputs = {k: _open(refs[k], ctx.store) for k in reads(decl, refs)}
         ctx.key = key
-        # a prepare step computes whatever its stage's role
+        # counted, like the stage's tiles, as its role's phase (read, compute or write)
         out = _call(decl, decl.prepare, config, inputs, ctx, clock=clock)
         with clock.phase("check"):
             _check(decl, "prepare", out)

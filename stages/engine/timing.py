@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
@@ -33,12 +32,15 @@ PHASES = ("key", "lookup", "setup", "open", "read", "compute", "write", "check",
 
 
 class Clock:
-    """Seconds per phase of one stage part; a nested phase's time counts in it alone."""
+    """Seconds per phase of one stage part; a nested phase's time counts in it alone.
+
+    A clock belongs to the thread that runs its part: :func:`part` in a thread the
+    stage started finds no clock and counts nothing.
+    """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self._stack: list[list[float]] = []  # [start, seconds of nested phases]
-        self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -52,8 +54,7 @@ class Clock:
             _CURRENT.reset(token)
             self._stack.pop()
             spent = time.perf_counter() - frame[0]
-            with self._lock:
-                self.seconds[name] = self.seconds.get(name, 0.0) + spent - frame[1]
+            self.seconds[name] = self.seconds.get(name, 0.0) + spent - frame[1]
             if self._stack:
                 self._stack[-1][1] += spent
 

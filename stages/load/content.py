@@ -38,6 +38,15 @@ _SIDE: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
 _SIDE_LOCK = threading.Lock()
 
 
+def _forked() -> None:
+    global _SIDE_LOCK
+    _SIDE_LOCK = threading.Lock()  # another thread of the parent may have held it
+    _SIDE.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _side() -> concurrent.futures.ThreadPoolExecutor:
     with _SIDE_LOCK:
         pid = os.getpid()

@@ -36,10 +36,10 @@ def pattern_hash(valid: np.ndarray) -> np.ndarray:
 def extend(h: np.ndarray, valid: np.ndarray) -> None:
     """Fold more observations (in order) into running hashes ``h``, in place.
 
-    Each observation is ``h = h·M + valid + 1`` (mod 2⁶⁴); the ``+ 1`` of the ``n``
-    steps adds up to ``Σ_{j<n} Mʲ`` whatever the values, added once at the end (half
-    the passes over ``h``, and no converted copy of each row).
+    Each observation is ``h = h·M + valid + 1`` (mod 2⁶⁴).
     """
+    # The + 1 of the n steps adds up to Σ_{j<n} Mʲ whatever the values: added once at
+    # the end (half the passes over h, and no converted copy of each row).
     with np.errstate(over="ignore"):
         for row in valid:
             np.multiply(h, _MULT, out=h)

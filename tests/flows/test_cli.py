@@ -307,7 +307,9 @@ def test_profile_adds_up_to_the_wall_time(tmp_path: Path) -> None:
     # Its rows are the run from the process start: they add up to its total, which is
     # the wall time but for the interpreter's exit after the table was printed.
     assert sum(rows.values()) == pytest.approx(total, abs=0.05 + 0.005 * len(rows))
-    assert 0.9 * wall <= total <= wall, (total, wall, res.stdout)
+    # Within 10 % of the wall time (the bound), or 0.75 s on a loaded machine where
+    # the interpreter's exit (Prefect flushing its events at exit) takes longer.
+    assert total <= wall and wall - total <= max(0.1 * wall, 0.75), (total, wall, res.stdout)
     # The solve's phases name the import of its code (torch) as setup, and its compute.
     solve = next(line for line in res.stdout.splitlines() if line.startswith("  solve "))
     assert "setup" in solve and "compute" in solve, solve

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from typing import Any
 
 import prefect.flow_engine as engine_module
@@ -40,23 +41,26 @@ class _Engine:
         self.beats.append(time.monotonic())
 
 
-def _heartbeat_threads() -> int:
-    return sum(1 for t in threading.enumerate() if t.daemon and t.is_alive())
-
-
 def test_prefect_uses_it_after_the_flow_module_is_imported() -> None:
     import gridsolve.flows.pipeline  # noqa: F401  (installs it at import)
 
-    # Prefect's own is the one this replaces: an upgrade that changes it fails here.
-    assert heartbeat._replaceable(engine_module) or heartbeat._ORIGINAL is not None
     assert engine_module._send_heartbeats is heartbeat.send_heartbeats
+    # Prefect's own, as it was replaced, has the shape this was written against: a Prefect
+    # upgrade that changes it fails here (install() would then keep Prefect's).
+    prefects = types.SimpleNamespace(
+        _send_heartbeats=heartbeat._ORIGINAL,
+        FlowRunEngine=engine_module.FlowRunEngine,
+        MINIMUM_HEARTBEAT_INTERVAL=engine_module.MINIMUM_HEARTBEAT_INTERVAL,
+    )
+    assert heartbeat._ORIGINAL is not None and heartbeat._replaceable(prefects)
 
 
 def test_one_beat_at_start_and_none_after_the_block() -> None:
     engine = _Engine(seconds=30)
-    before = _heartbeat_threads()
+    before = set(threading.enumerate())
     t0 = time.monotonic()
     with heartbeat.send_heartbeats(engine):
+        started = set(threading.enumerate()) - before
         deadline = time.monotonic() + 5
         while not engine.beats and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -64,7 +68,7 @@ def test_one_beat_at_start_and_none_after_the_block() -> None:
     assert len(engine.beats) == 1  # the first at once; the next would be 30 s later
     # Prefect's thread slept out its current second: joined here without waiting for it.
     assert left < 0.9, left
-    assert _heartbeat_threads() == before
+    assert not any(t.is_alive() for t in started)
     time.sleep(0.05)
     assert len(engine.beats) == 1
 
@@ -83,13 +87,18 @@ def test_no_beat_once_the_run_is_final_and_none_without_an_interval() -> None:
 
 def test_a_failing_emit_does_not_stop_the_run() -> None:
     engine = _Engine(seconds=30)
+    tried: list[int] = []
 
     def fail(*args: Any) -> None:
+        tried.append(1)
         raise ConnectionError("server gone")
 
     engine._emit_flow_run_heartbeat = fail  # type: ignore[method-assign]
     with heartbeat.send_heartbeats(engine):
-        time.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while not tried and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert tried == [1]  # tried once, its error swallowed (the block ran on and ended)
 
 
 def test_an_engine_of_another_shape_keeps_prefects() -> None:

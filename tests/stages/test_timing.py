@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -32,9 +34,9 @@ def test_a_nested_part_counts_in_itself_alone() -> None:
     spent = time.perf_counter() - t0
     got = clock.rounded()
     assert list(got) == ["setup", "read", "compute"]  # in PHASES order
-    assert got["setup"] == pytest.approx(0.03, abs=0.01)
-    assert got["read"] == pytest.approx(0.01, abs=0.01)
-    assert got["compute"] == pytest.approx(0.03, abs=0.01)
+    # each at least its own busy time (a loaded machine only adds); together the whole
+    assert got["setup"] >= 0.03 - 1e-4 and got["read"] >= 0.01 - 1e-4
+    assert got["compute"] >= 0.03 - 1e-4
     assert sum(clock.seconds.values()) == pytest.approx(spent, abs=1e-3)
 
 
@@ -51,10 +53,22 @@ def test_part_outside_a_clock_or_in_another_thread_is_a_no_op() -> None:
     assert set(clock.seconds) == {"compute"}
 
 
-def test_the_process_start_is_before_now() -> None:
-    start = timing.process_start()
-    assert start is not None  # Linux: /proc is there
-    assert 0 < time.time() - start < 3600
+def test_the_process_start_is_when_the_process_started() -> None:
+    before = time.time()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time; from gridsolve.stages.engine.timing import process_start;"
+            "print(process_start(), time.time())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    start, now = float(out[0]), float(out[1])
+    # /proc counts in clock ticks (10 ms) and /proc/uptime in 10 ms: a few ticks either way
+    assert before - 0.05 <= start <= now
 
 
 def test_the_runner_reports_its_phases(chain: Any, cube_path: Any) -> None:
