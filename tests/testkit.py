@@ -179,3 +179,26 @@ def ndvi_cube(ny: int = 6, nx: int = 8, seed: int = 0) -> xr.DataArray:
         name="ndvi",
         attrs={"units": "1", "long_name": "NDVI"},
     )
+
+
+def settled_task_runs(flow_run_id: Any, settle: float = 60.0) -> list[Any]:
+    """A flow run's task runs as the server shows them once every state is final.
+
+    Task states reach the server as events that it records a moment later: just after a
+    flow returned, a loaded server may still show a task Running (seen in CI).
+    """
+    import time
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + settle
+    while True:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(str(flow_run_id))]))
+            )
+        if all(r.state is None or r.state.is_final() for r in runs) or time.monotonic() > deadline:
+            return list(runs)
+        time.sleep(0.5)

@@ -13,8 +13,6 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     DeploymentFilter,
     DeploymentFilterId,
-    FlowRunFilter,
-    FlowRunFilterId,
 )
 from prefect.client.schemas.schedules import IntervalSchedule
 from prefect.deployments import run_deployment
@@ -23,7 +21,7 @@ from prefect.exceptions import PrefectHTTPStatusError
 from gridsolve.schemas.errors import ConfigError
 from gridsolve.schemas.pipeline import build_config
 
-from testkit import make_ds
+from testkit import make_ds, settled_task_runs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,10 +41,7 @@ def params(tmp_path: Path, cube: Path, **over: Any) -> dict[str, Any]:
 
 
 def task_states(flow_run_id: Any) -> dict[str, str]:
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-        )
+    runs = settled_task_runs(flow_run_id)
     return {r.name: r.state.name for r in runs if r.state is not None}
 
 

@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
-    FlowRunFilter,
-    FlowRunFilterId,
     LogFilter,
     LogFilterFlowRunId,
 )
@@ -29,7 +27,7 @@ from gridsolve.flows.pipeline import pipeline
 from gridsolve.schemas.errors import StageError
 from gridsolve.schemas.pipeline import PipelineConfig, build_config
 
-from testkit import make_ds
+from testkit import make_ds, settled_task_runs
 
 pytestmark = [pytest.mark.server, pytest.mark.usefixtures("prefect_server")]
 
@@ -73,10 +71,7 @@ def run_logs(flow_run_id: UUID | str, until: str, timeout: float = 60) -> list[s
 
 
 def task_messages(flow_run_id: UUID | str) -> dict[str, str]:
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(str(flow_run_id))]))
-        )
+    runs = settled_task_runs(flow_run_id)
     return {r.name: (r.state.message or "") for r in runs if r.state and r.state.is_failed()}
 
 

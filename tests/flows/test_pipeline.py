@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 import xarray as xr
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from gridsolve.flows.pipeline import run_config
 from gridsolve.flows.reporting import RunSummary, cache_label
 from gridsolve.schemas.kinds.write import NetCDFWrite, ZarrWrite
 from gridsolve.schemas.pipeline import build_config
 
-from testkit import CONTRACT, make_ds
+from testkit import CONTRACT, make_ds, settled_task_runs
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -41,10 +40,7 @@ def cache_states(summary: RunSummary) -> dict[str, str]:
 
 
 def task_state_names(flow_run_id: str) -> dict[str, str]:
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-        )
+    runs = settled_task_runs(flow_run_id)
     return {r.name: r.state.name for r in runs if r.state is not None}
 
 

@@ -18,11 +18,15 @@ import torch
 
 from gridsolve.stages.solve.levmar_status import FIT_STATUS_FLAGS
 
-#: (dataset, start) pairs gridsolve flags instead of reaching the certified values
+#: (dataset, start) pairs gridsolve flags instead of reaching the certified values, and
+#: the flags it may give them
 FLAGGED = {
-    ("MGH09", 1): "iteration_limit",  # NIST's far start; curve_fit fails too
-    ("BoxBOD", 1): "singular",  # a plateau: exp(−b2·x) underflows, b2 has no effect
-    ("Bennett5", 1): "iteration_limit",  # curve_fit fails from both starts
+    ("MGH09", 1): {"iteration_limit"},  # NIST's far start; curve_fit fails too
+    # A plateau: exp(−b2·x) underflows and b2 has no effect. Whether the Jacobian's rank
+    # loss is seen before the step limit depends on the CPU's rounding: singular on an
+    # AMD EPYC, iteration_limit on an Intel Xeon (both AVX-512). Flagged either way.
+    ("BoxBOD", 1): {"singular", "iteration_limit"},
+    ("Bennett5", 1): {"iteration_limit"},  # curve_fit fails from both starts
 }
 
 #: Lanczos1's data are its model to 13 digits (residual sum of squares 1.4e-25), so
@@ -46,7 +50,7 @@ def test_each_pixel_reaches_the_certified_values_or_is_flagged(name: str) -> Non
         lre_sd = nist.lre(got["param_stderr"][i], ds.certified_sd).min()
         where = f"{name} start {start}: {status}, LRE params {lre_p:.1f}, SD {lre_sd:.1f}"
         if (name, start) in FLAGGED:
-            assert status == FLAGGED[name, start], where
+            assert status in FLAGGED[name, start], where
             continue
         assert status == "converged", where
         assert lre_p >= 6, where
