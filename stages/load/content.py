@@ -32,30 +32,29 @@ from gridsolve.stages.load.source import Source, _values
 _BLOCK_BYTES = 64 * 2**20
 
 
-#: One thread beside the scan's (see :func:`_stream`), shared by the process's scans; by
-#: process id, so that a forked child makes its own (the parent's thread is not in it).
-_SIDE: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+#: One thread beside the scan's (see :func:`_stream`), shared by the process's scans; made
+#: on first use, and again in a forked child (the parent's thread is not in it).
+_SIDE: concurrent.futures.ThreadPoolExecutor | None = None
 _SIDE_LOCK = threading.Lock()
 
 
 def _forked() -> None:
-    global _SIDE_LOCK
+    global _SIDE, _SIDE_LOCK
     _SIDE_LOCK = threading.Lock()  # another thread of the parent may have held it
-    _SIDE.clear()
+    _SIDE = None
 
 
 os.register_at_fork(after_in_child=_forked)
 
 
 def _side() -> concurrent.futures.ThreadPoolExecutor:
+    global _SIDE
     with _SIDE_LOCK:
-        pid = os.getpid()
-        if pid not in _SIDE:
-            _SIDE.clear()
-            _SIDE[pid] = concurrent.futures.ThreadPoolExecutor(
+        if _SIDE is None:
+            _SIDE = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="gridsolve-scan"
             )
-        return _SIDE[pid]
+        return _SIDE
 
 
 def _hash_and_patterns(
