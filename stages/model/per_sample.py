@@ -1,9 +1,22 @@
 """The per-sample functions: the model's forward, gradients and Jacobians, vmapped over pixels.
 
 The model is written for one sample and batched unchanged with
-``torch.func.vmap`` over ``functional_call``; per-sample gradients come from
-``vmap(grad(objective))`` (as a vector-Jacobian product), per-sample Jacobians
-from ``vmap(jacrev(f))``.
+``torch.func.vmap`` over ``functional_call``; per-sample Jacobians come from
+``vmap(jacrev(f))``. Per-sample gradients come two ways, with the same values:
+
+* eager: the forward vmapped over the pixels *and* over a stride-0 copy of the
+  parameters per pixel, then one plain ``torch.autograd.grad`` of the summed
+  objective with respect to those copies (and the input). Pixel i's output depends
+  only on copy i, so the gradient with respect to copy i is pixel i's gradient.
+  Nothing of ``torch.func``'s reverse mode runs, so ``torch._dynamo`` (1.1–1.6 s to
+  import, on the first ``vjp``/``grad``) is never imported: that import was most of
+  a small run's model stage (issue 29);
+* compiled (traced by dynamo): ``vmap(vjp)`` as a vector-Jacobian product, which
+  inductor fuses into whole-chunk kernels.
+
+A model whose forward vmap cannot batch over per-pixel parameters (an operator
+without a batching rule for a batched weight) falls back to ``vmap(vjp)`` in eager
+mode too, the first time it fails.
 """
 
 from __future__ import annotations
@@ -65,6 +78,79 @@ def _per_sample_fns(
     )
     t_dim = 0 if config.objective == "mse" else None
     outputs = vmap(f, in_dims=(None, None, 0))
-    grads = vmap(gradients, in_dims=(None, None, 0, t_dim))
+    grads = _eager_or_vjp(
+        _expanded_gradients(f, config), vmap(gradients, in_dims=(None, None, 0, t_dim))
+    )
     jac = vmap(jacrev(f, argnums=argnums), in_dims=(None, None, 0)) if config.jacobian else None
     return outputs, grads, jac
+
+
+#: (params, buffers, x, target) → (gradients as grad/vjp return them for ``wrt``, outputs)
+Gradients = Callable[
+    [dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None],
+    tuple[Any, torch.Tensor],
+]
+
+
+def _expanded_gradients(f: Callable[..., torch.Tensor], config: ModelConfig) -> Gradients:
+    """Per-sample gradients from one backward through per-pixel (stride-0) parameter copies."""
+
+    def expanded(
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        t: torch.Tensor | None,
+    ) -> tuple[Any, torch.Tensor]:
+        n = x.shape[0]
+        with torch.enable_grad():
+            p_in = params
+            if config.wrt != "input":
+                p_in = {
+                    k: v.detach().expand(n, *v.shape).requires_grad_() for k, v in params.items()
+                }
+            x_in = x.detach().requires_grad_() if config.wrt != "params" else x
+            p_dim = None if config.wrt == "input" else 0
+            y = vmap(f, in_dims=(p_dim, None, 0))(p_in, buffers, x_in)
+            # d loss/d y per pixel, then one backward of Σ (y · dl/dy): its gradient with
+            # respect to y is dl/dy exactly. A scalar root: autograd.grad with grad_outputs
+            # imports sympy (0.4 s) for a shape check.
+            if config.objective == "mse":
+                assert t is not None
+                y_d = y.detach().requires_grad_()
+                (dl,) = torch.autograd.grad(((y_d - t) ** 2).mean(dim=-1).sum(), y_d)
+            else:
+                dl = torch.ones_like(y)
+            wanted = list(p_in.values()) if config.wrt != "input" else []
+            if config.wrt != "params":
+                wanted.append(x_in)
+            found = torch.autograd.grad((y * dl).sum(), wanted)
+        if config.wrt == "input":
+            return found[-1], y.detach()
+        by_param = dict(zip(p_in, found[: len(p_in)], strict=True))
+        return (by_param if config.wrt == "params" else (by_param, found[-1])), y.detach()
+
+    return expanded
+
+
+def _eager_or_vjp(expanded: Gradients, vjp_grads: Gradients) -> Gradients:
+    """``expanded`` in eager mode; ``vjp_grads`` under torch.compile or once ``expanded`` failed.
+
+    ``expanded`` fails where vmap has no batching rule for a batched weight.
+    """
+    use_expanded = [True]
+
+    def grads(
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        t: torch.Tensor | None,
+    ) -> tuple[Any, torch.Tensor]:
+        if torch.compiler.is_compiling() or not use_expanded[0]:
+            return vjp_grads(params, buffers, x, t)
+        try:
+            return expanded(params, buffers, x, t)
+        except Exception:  # vmap(vjp) batches what the copies cannot; a real error recurs there
+            use_expanded[0] = False
+            return vjp_grads(params, buffers, x, t)
+
+    return grads

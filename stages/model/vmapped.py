@@ -2,8 +2,9 @@
 
 Each pixel's coefficient vector, reshaped to the model's input shape, is one
 sample. The model is written for one sample and batched unchanged with
-``torch.func.vmap`` over ``functional_call``; per-sample gradients come from
-``vmap(grad(objective))``, per-sample Jacobians from ``vmap(jacrev(f))``.
+``torch.func.vmap`` over ``functional_call``; per-sample gradients come from one
+backward through per-pixel copies of the parameters (``per_sample.py``), per-sample
+Jacobians from ``vmap(jacrev(f))``.
 (A batched forward and ``.backward()`` would give only the sum of the
 per-sample gradients.) The per-sample objective is the sum of the outputs, or
 the mean squared error against ``load.target`` with ``objective: mse``.
@@ -67,7 +68,8 @@ from gridsolve.stages.model.tile_run import (
 
 def prepare(config: ModelConfig, inputs: Mapping[str, Artifact], ctx: StageContext) -> StageOutput:
     """Build the model once, check it against the data, store its parameters and buffers."""
-    torch_func_ready()
+    if config.jacobian:  # jacrev is torch.func's reverse mode; the gradients are not
+        torch_func_ready()
     stage = _stage(config)
     shape = input_shape(config)
     _check_input_shape(shape, DesignMeta.of(inputs["design"]).coef, stage)
@@ -121,7 +123,8 @@ def run_tile(
     ctx: StageContext,
 ) -> StageOutput:
     """Predictions, per-sample gradients (and Jacobians) and the model status of one tile."""
-    torch_func_ready()
+    if config.jacobian:
+        torch_func_ready()
     run = _plan_run(config, inputs, prepared, tile)
     kernel, compile_key = _pick_kernel(run, config, inputs, prepared, ctx.logger)
     chunks = {c: _chunk_pixels(config, run, ctx.memory_budget, compiled=c) for c in (False, True)}

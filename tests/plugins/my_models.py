@@ -151,3 +151,18 @@ class LogOutput(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log(self.lin(x))
+
+
+class InPlaceBias(nn.Module):
+    """Copies its bias into a fresh tensor in place: vmap batches that over pixels, but not
+    over per-pixel copies of the parameters (a batched value into an unbatched tensor)."""
+
+    def __init__(self, n_in: int = 6, n_out: int = 2) -> None:
+        super().__init__()
+        self.lin = nn.Linear(n_in, n_out, bias=False)
+        self.b = nn.Parameter(torch.linspace(-1.0, 1.0, n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = torch.zeros(self.b.shape, dtype=x.dtype)
+        bias.copy_(self.b)
+        return self.lin(x) + bias

@@ -282,6 +282,46 @@ def test_checkpoint_buffer_is_used(chain: Chain, grid: Path, tmp_path: Path) -> 
     )
 
 
+def test_model_that_vmap_cannot_batch_over_parameter_copies_equals_autograd_loop(
+    chain: Chain, grid: Path, tmp_path: Path
+) -> None:
+    # Eager gradients go through per-pixel copies of the parameters; this forward copies a
+    # parameter into an unbatched tensor in place, which only vmap(vjp) can batch.
+    torch.manual_seed(4)
+    path = checkpoint(my_models.InPlaceBias(), tmp_path / "inplace.safetensors")
+    cfg = ModuleModel(
+        target="my_models:InPlaceBias", input_shape=(6,), weights=str(path), wrt="both"
+    )
+    out = run_model(chain, grid, cfg)
+    assert out["grad:b"].shape[0] == 2
+    check_against_oracle(out, oracle_from(my_models.InPlaceBias, path), range(0, 240, 3))
+
+
+PER_SAMPLE_IMPORTS = """
+import sys, torch
+from gridsolve.schemas.kinds.model import MultidimLinearModel
+from gridsolve.stages.model.building import build_module
+from gridsolve.stages.model.per_sample import _per_sample_fns
+cfg = MultidimLinearModel(input_dim=3, hidden_dim=2, output_dim=4)
+module = build_module(cfg)
+params = {k: v.detach() for k, v in module.named_parameters()}
+grads, outputs = _per_sample_fns(module, cfg)[1](params, {}, torch.randn(9, 3, 2), None)
+assert grads["weight"].shape == (9, 3, 2, 4), grads["weight"].shape
+print(" ".join(m for m in ("torch._dynamo", "sympy") if m in sys.modules) or "none")
+"""
+
+
+def test_eager_per_sample_gradients_import_neither_dynamo_nor_sympy() -> None:
+    # Importing them cost 1.1-1.6 s, most of a small run's model stage (issue 29).
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-c", PER_SAMPLE_IMPORTS], capture_output=True, text=True, check=True
+    )
+    assert res.stdout.split() == ["none"], res.stdout + res.stderr
+
+
 def test_checkpoint_without_a_buffer_is_refused(chain: Chain, grid: Path, tmp_path: Path) -> None:
     path = tmp_path / "params_only.safetensors"
     save_file(dict(my_models.Scaled().named_parameters()), str(path))
