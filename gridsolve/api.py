@@ -376,5 +376,26 @@ def fit(
     said = str(result.attrs.get("gridsolve_config", ""))
     said = said.replace(str(source), IN_MEMORY_INPUT).replace(str(written), IN_MEMORY_OUTPUT)
     if said:
-        result.attrs["gridsolve_config"] = said
+        result.attrs["gridsolve_config"] = _without_scratch_encoding(said)
     return result
+
+
+def _without_scratch_encoding(said: str) -> str:
+    """The recorded config with the writer's default compression, not the scratch file's.
+
+    The scratch file's ``zlib: false`` was this module's choice, not the user's: a config
+    rebuilt from the provenance writes as ``gridsolve run`` does by default.
+    """
+    import json
+
+    from gridsolve.schemas.kinds.write import NetCDFWrite
+
+    try:
+        config = json.loads(said)
+    except ValueError:
+        return said
+    write = config.get("write") if isinstance(config, dict) else None
+    if not isinstance(write, dict) or "zlib" not in write:
+        return said
+    write["zlib"] = NetCDFWrite.model_fields["zlib"].default
+    return json.dumps(config, sort_keys=True)

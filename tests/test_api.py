@@ -113,6 +113,7 @@ def test_fit_returns_what_the_cli_writes_and_shares_its_cache(tmp_path: Path) ->
     # every stage the notebook ran is reused; the writer writes the CLI's own file
     assert all(v == "hit" for k, v in cached.items() if k != "write"), cached
     with xr.open_dataset(summary.output) as written:
+        written_config = str(written.attrs["gridsolve_config"])
         assert set(fitted.variables) == set(written.variables)
         for name in written.variables:
             xr.testing.assert_identical(fitted[name], written[name])
@@ -131,6 +132,11 @@ def test_fit_returns_what_the_cli_writes_and_shares_its_cache(tmp_path: Path) ->
     said = json.loads(fitted.attrs["gridsolve_config"])
     assert said["load"]["path"] == gridsolve.api.IN_MEMORY_INPUT, said["load"]
     assert said["write"]["path"] == gridsolve.api.IN_MEMORY_OUTPUT, said["write"]
+    # the scratch file was written uncompressed; the provenance keeps the user's default
+    assert said["write"]["zlib"] is True and said["write"] == {
+        **json.loads(written_config)["write"],
+        "path": gridsolve.api.IN_MEMORY_OUTPUT,
+    }
 
 
 def test_a_config_built_in_a_notebook_is_the_yaml_file_to_schedule(tmp_path: Path) -> None:

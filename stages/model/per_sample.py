@@ -21,6 +21,7 @@ mode too, the first time it fails.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,9 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vjp, vmap
 
 from gridsolve.schemas.kinds.model import ModelConfig
+from gridsolve.stages.engine.timing import torch_func_ready
+
+log = logging.getLogger("gridsolve")
 
 
 def _per_sample_fns(
@@ -123,7 +127,11 @@ def _expanded_gradients(f: Callable[..., torch.Tensor], config: ModelConfig) -> 
             wanted = list(p_in.values()) if config.wrt != "input" else []
             if config.wrt != "params":
                 wanted.append(x_in)
-            found = torch.autograd.grad((y * dl).sum(), wanted)
+            # a parameter (or an input) the output does not use has a zero gradient, as
+            # vmap(vjp) gives it
+            found = torch.autograd.grad(
+                (y * dl).sum(), wanted, allow_unused=True, materialize_grads=True
+            )
         if config.wrt == "input":
             return found[-1], y.detach()
         by_param = dict(zip(p_in, found[: len(p_in)], strict=True))
@@ -145,12 +153,13 @@ def _eager_or_vjp(expanded: Gradients, vjp_grads: Gradients) -> Gradients:
         x: torch.Tensor,
         t: torch.Tensor | None,
     ) -> tuple[Any, torch.Tensor]:
-        if torch.compiler.is_compiling() or not use_expanded[0]:
-            return vjp_grads(params, buffers, x, t)
-        try:
-            return expanded(params, buffers, x, t)
-        except Exception:  # vmap(vjp) batches what the copies cannot; a real error recurs there
-            use_expanded[0] = False
-            return vjp_grads(params, buffers, x, t)
+        if not torch.compiler.is_compiling() and use_expanded[0]:
+            try:
+                return expanded(params, buffers, x, t)
+            except Exception as exc:  # vmap(vjp) batches what the copies cannot
+                use_expanded[0] = False  # a real error recurs there, and is reported from it
+                log.debug("per-sample gradients by vmap(vjp): %s", exc)
+            torch_func_ready()  # its first call imports torch._dynamo: setup, not compute
+        return vjp_grads(params, buffers, x, t)
 
     return grads

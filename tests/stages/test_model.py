@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -283,7 +284,7 @@ def test_checkpoint_buffer_is_used(chain: Chain, grid: Path, tmp_path: Path) -> 
 
 
 def test_model_that_vmap_cannot_batch_over_parameter_copies_equals_autograd_loop(
-    chain: Chain, grid: Path, tmp_path: Path
+    chain: Chain, grid: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Eager gradients go through per-pixel copies of the parameters; this forward copies a
     # parameter into an unbatched tensor in place, which only vmap(vjp) can batch.
@@ -292,7 +293,9 @@ def test_model_that_vmap_cannot_batch_over_parameter_copies_equals_autograd_loop
     cfg = ModuleModel(
         target="my_models:InPlaceBias", input_shape=(6,), weights=str(path), wrt="both"
     )
-    out = run_model(chain, grid, cfg)
+    with caplog.at_level(logging.DEBUG, logger="gridsolve"):
+        out = run_model(chain, grid, cfg)
+    assert any("by vmap(vjp)" in r.getMessage() for r in caplog.records)  # the fallback ran
     assert out["grad:b"].shape[0] == 2
     check_against_oracle(out, oracle_from(my_models.InPlaceBias, path), range(0, 240, 3))
 
@@ -302,22 +305,34 @@ import sys, torch
 from gridsolve.schemas.kinds.model import MultidimLinearModel
 from gridsolve.stages.model.building import build_module
 from gridsolve.stages.model.per_sample import _per_sample_fns
-cfg = MultidimLinearModel(input_dim=3, hidden_dim=2, output_dim=4)
+wrt, objective = sys.argv[1:]
+cfg = MultidimLinearModel(input_dim=3, hidden_dim=2, output_dim=4, wrt=wrt, objective=objective)
 module = build_module(cfg)
 params = {k: v.detach() for k, v in module.named_parameters()}
-grads, outputs = _per_sample_fns(module, cfg)[1](params, {}, torch.randn(9, 3, 2), None)
-assert grads["weight"].shape == (9, 3, 2, 4), grads["weight"].shape
+target = torch.randn(9, 4) if objective == "mse" else None
+grads, outputs = _per_sample_fns(module, cfg)[1](params, {}, torch.randn(9, 3, 2), target)
+by_param = grads if wrt == "params" else grads[0] if wrt == "both" else None
+assert by_param is None or by_param["weight"].shape == (9, 3, 2, 4)
+assert outputs.shape == (9, 4), outputs.shape
 print(" ".join(m for m in ("torch._dynamo", "sympy") if m in sys.modules) or "none")
 """
 
 
-def test_eager_per_sample_gradients_import_neither_dynamo_nor_sympy() -> None:
+@pytest.mark.parametrize(
+    ("wrt", "objective"), [("params", "sum"), ("both", "mse"), ("input", "sum")]
+)
+def test_eager_per_sample_gradients_import_neither_dynamo_nor_sympy(
+    wrt: str, objective: str
+) -> None:
     # Importing them cost 1.1-1.6 s, most of a small run's model stage (issue 29).
     import subprocess
     import sys
 
     res = subprocess.run(
-        [sys.executable, "-c", PER_SAMPLE_IMPORTS], capture_output=True, text=True, check=True
+        [sys.executable, "-c", PER_SAMPLE_IMPORTS, wrt, objective],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert res.stdout.split() == ["none"], res.stdout + res.stderr
 
