@@ -83,7 +83,8 @@ def _per_sample_fns(
     t_dim = 0 if config.objective == "mse" else None
     outputs = vmap(f, in_dims=(None, None, 0))
     grads = _eager_or_vjp(
-        _expanded_gradients(f, config), vmap(gradients, in_dims=(None, None, 0, t_dim))
+        _expanded_gradients(f, vmap(loss, in_dims=(0, t_dim)), config),
+        vmap(gradients, in_dims=(None, None, 0, t_dim)),
     )
     jac = vmap(jacrev(f, argnums=argnums), in_dims=(None, None, 0)) if config.jacobian else None
     return outputs, grads, jac
@@ -96,8 +97,13 @@ Gradients = Callable[
 ]
 
 
-def _expanded_gradients(f: Callable[..., torch.Tensor], config: ModelConfig) -> Gradients:
-    """Per-sample gradients from one backward through per-pixel (stride-0) parameter copies."""
+def _expanded_gradients(
+    f: Callable[..., torch.Tensor], losses: Callable[..., torch.Tensor], config: ModelConfig
+) -> Gradients:
+    """Per-sample gradients from one backward through per-pixel (stride-0) parameter copies.
+
+    ``losses``: the objective vmapped over the pixels, (outputs, target) → (pixel,).
+    """
 
     def expanded(
         params: dict[str, torch.Tensor],
@@ -118,12 +124,8 @@ def _expanded_gradients(f: Callable[..., torch.Tensor], config: ModelConfig) -> 
             # d loss/d y per pixel, then one backward of Σ (y · dl/dy): its gradient with
             # respect to y is dl/dy exactly. A scalar root: autograd.grad with grad_outputs
             # imports sympy (0.4 s) for a shape check.
-            if config.objective == "mse":
-                assert t is not None
-                y_d = y.detach().requires_grad_()
-                (dl,) = torch.autograd.grad(((y_d - t) ** 2).mean(dim=-1).sum(), y_d)
-            else:
-                dl = torch.ones_like(y)
+            y_d = y.detach().requires_grad_()
+            (dl,) = torch.autograd.grad(losses(y_d, t).sum(), y_d)
             wanted = list(p_in.values()) if config.wrt != "input" else []
             if config.wrt != "params":
                 wanted.append(x_in)
