@@ -2,7 +2,7 @@
 
 Everything follows MINPACK (Moré 1978; ``lmder``, ``lmpar``, ``qrsolv`` as scipy
 ships them in ``scipy/optimize/src/minpack.c``) with one difference: the QR
-factorisations are unpivoted (torch's batched ``linalg.qr``; no batched pivoted QR
+factorisations are unpivoted (torch's batched ``geqrf``; no batched pivoted QR
 exists). Pivoting only changes the Gauss–Newton step of a Jacobian with an exactly
 zero ``R`` diagonal (MINPACK keeps the leading nonsingular block, so the solution
 depends on the column order); every damped step and every full-rank result is the
@@ -16,10 +16,25 @@ from __future__ import annotations
 import torch
 
 
-def qr_of_jacobian(J: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``R`` (k, n, n) of ``J = QR`` (k, m, n) and the first n entries of ``Qᵀe`` (k, n)."""
-    n = J.shape[-1]
-    raug = torch.linalg.qr(torch.cat([J, e[..., None]], dim=-1), mode="r").R
+def r_factor(A: torch.Tensor) -> torch.Tensor:
+    """``R`` (k, min(m, n), n) of ``A = QR`` (k, m, n): ``torch.linalg.qr(A, mode="r").R``.
+
+    Taken from LAPACK's ``geqrf`` directly: the same R, bit for bit, without the
+    copies ``linalg.qr`` adds around it (about a third of its time on 50 × 5
+    matrices). ``A`` in column-major layout (a ``.mT`` view) spares ``geqrf`` a
+    transposing copy.
+    """
+    a, _ = torch.geqrf(A)
+    return a[..., : min(A.shape[-2:]), :].triu()
+
+
+def qr_of_jacobian(Je: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``R`` (k, n, n) of ``J = QR`` and the first n entries of ``Qᵀe`` (k, n), from ``[J e]``.
+
+    ``Je`` (k, m, n + 1): the Jacobian with the residuals as its last column.
+    """
+    n = Je.shape[-1] - 1
+    raug = r_factor(Je)
     return raug[..., :n, :n], raug[..., :n, n]
 
 
@@ -62,7 +77,7 @@ def _damped(
         [torch.diag_embed(torch.sqrt(par)[..., None] * diag), torch.zeros_like(qtb[..., None])],
         dim=-1,
     )
-    raug = torch.linalg.qr(torch.cat([top, bottom], dim=-2), mode="r").R
+    raug = r_factor(torch.cat([top, bottom], dim=-2))
     S = raug[..., :n, :n]
     return _solve_upper(S, raug[..., :n, n]), S
 
@@ -169,7 +184,7 @@ def covariance(J: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     combination of others. Its covariance is NaN.
     """
     m, n = J.shape[-2:]
-    R = torch.linalg.qr(J, mode="r").R[..., :n, :n]
+    R = r_factor(J)[..., :n, :n]
     scale = torch.where(p != 0, p.abs(), 1.0)
     effect = R.diagonal(dim1=-2, dim2=-1).abs() * scale
     largest = (torch.linalg.vector_norm(J, dim=-2) * scale).amax(dim=-1, keepdim=True)

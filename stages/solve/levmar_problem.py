@@ -36,22 +36,36 @@ class Problem:
     sqrtw: torch.Tensor  # (P, m), 0 where not valid
     n_valid: torch.Tensor  # (P,) int
     box: Box | None
+    unit_weights: bool = False  # no weights given: √w is 1 wherever valid
 
     def residuals(self, u: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Weighted residuals ``√w (f − b)`` (k, m) of pixels ``idx`` at ``u``, 0 if not valid."""
-        valid = self.valid[idx]
-        r = (self.values(u) - self.b[idx]) * self.sqrtw[idx]
-        return torch.where(valid, r, torch.zeros_like(r))
+        r = self.values(u) - self.b[idx]
+        if not self.unit_weights:  # with unit weights the product is r itself, bit for bit
+            r = r * self.sqrtw[idx]
+        return torch.where(self.valid[idx], r, _zero(r))
 
     def weighted_jacobian(
-        self, u: torch.Tensor, idx: torch.Tensor, external: bool = False
+        self,
+        u: torch.Tensor,
+        idx: torch.Tensor,
+        external: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``√w ∂f/∂u`` (k, m, n) of pixels ``idx`` at ``u``; 0 rows where not valid.
 
         ``external``: ``u`` are the model's parameters ``p``, differentiated directly.
+        ``out``: a (k, m, n) tensor (or view) to write the result into.
         """
-        J = (self.jacobian_p if external else self.jacobian)(u) * self.sqrtw[idx][..., None]
-        return torch.where(self.valid[idx][..., None], J, torch.zeros_like(J))
+        J = (self.jacobian_p if external else self.jacobian)(u)
+        if not self.unit_weights:
+            J = J * self.sqrtw[idx][..., None]
+        return torch.where(self.valid[idx][..., None], J, _zero(J), out=out)
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    """A 0-dim zero of ``like``'s dtype and device (``torch.where``'s other, broadcast)."""
+    return torch.zeros((), dtype=like.dtype, device=like.device)
 
 
 def _batched(
@@ -115,5 +129,6 @@ def problem(
         sqrtw=torch.where(valid, torch.sqrt(torch.where(valid, w, zero)), zero),
         n_valid=valid.sum(dim=-1),
         box=box,
+        unit_weights=weights is None,
     )
     return prob, start if box is None else box.to_internal(start)

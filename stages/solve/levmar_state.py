@@ -91,10 +91,16 @@ def refresh_jacobian(prob: Problem, st: State, factor: float, gtol: float) -> No
     if idx.numel() == 0:
         return
     u = st.u[idx]
-    J = prob.weighted_jacobian(u, idx)
+    # [J e] in one buffer: the Jacobian is written where the QR reads it, beside the residuals
+    k, n = u.shape
+    # column-major, as LAPACK's QR reads it
+    Je = torch.empty((k, n + 1, st.e.shape[-1]), dtype=u.dtype, device=u.device).mT
+    J = prob.weighted_jacobian(u, idx, out=Je[..., :n])
+    Je[..., n] = st.e[idx]
     finite = torch.isfinite(J).all(dim=-1).all(dim=-1)
-    J = torch.where(finite[:, None, None], J, torch.zeros_like(J))
-    R, qtf = qr_of_jacobian(J, st.e[idx])
+    if not bool(finite.all()):
+        J.masked_fill_(~finite[:, None, None], 0.0)
+    R, qtf = qr_of_jacobian(Je)
     acnorm = torch.linalg.vector_norm(J, dim=-2)
     first = st.first[idx]
     # scale by the column norms of the first Jacobian (MINPACK's mode 1), then never shrink
@@ -141,8 +147,8 @@ def trial_step(prob: Problem, st: State, tols: tuple[float, float], limit: int) 
     ratio = torch.where(prered != 0, actred / prered, 0.0)
     delta, par = _update_bound(delta, par, pnorm, ratio, actred, dirder, 0.1 * fnorm1 >= fnorm)
     ok = ratio >= 1e-4
-    st.u[idx] = torch.where(ok[:, None], u_new, st.u[idx])
-    st.e[idx] = torch.where(ok[:, None], e_new, st.e[idx])
+    took = idx[ok]  # only the accepted steps move their pixels' point and residuals
+    st.u[took], st.e[took] = u_new[ok], e_new[ok]
     xnorm = torch.where(ok, torch.linalg.vector_norm(diag * u_new, dim=-1), st.xnorm[idx])
     st.fnorm[idx] = torch.where(ok, fnorm1, fnorm)
     st.first[idx] = first & ~ok
