@@ -30,7 +30,8 @@ and ``f`` the user's ``solve.target``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -112,6 +113,101 @@ def fit_batched(
     result can change in its last bits with its position in the batch (torch's
     vectorised and scalar math kernels round differently).
     """
+    batch = begin(
+        f,
+        t,
+        b,
+        p0,
+        weights=weights,
+        mask=mask,
+        bounds=bounds,
+        max_iter=max_iter,
+        xtol=xtol,
+        ftol=ftol,
+        gtol=gtol,
+        factor=factor,
+        jacobian=jacobian,
+    )
+    batch.advance()
+    return batch.finish(absolute_sigma)
+
+
+@dataclass
+class Batch:
+    """Pixels part way through the fit: their problem, their state and the loop's settings.
+
+    Every pixel iterates on its own, so a batch can be split (:meth:`take`) and
+    batches of the same fit joined (:func:`join`) between loop passes: a pixel's
+    path does not depend on the pixels beside it (up to the last bits, see
+    :func:`fit_batched`). The chunked fit (``curvefit.fit_pixels``) uses this to
+    pool the slow pixels of many chunks instead of paying each chunk's tail of
+    passes that move a few pixels each.
+    """
+
+    prob: Problem
+    st: State
+    limit: int
+    tols: tuple[float, float]
+    factor: float
+    gtol: float
+
+    def __len__(self) -> int:
+        return int(self.st.u.shape[0])
+
+    def advance(self, until_below: float = 0.0) -> None:
+        """Loop passes until every pixel has stopped, or stop early.
+
+        Early: after at least one pass, when fewer than ``until_below`` × the batch's
+        pixels still run (0: never).
+        """
+        floor = until_below * len(self)
+        for passes in range(self.limit):
+            refresh_jacobian(self.prob, self.st, self.factor, self.gtol)
+            running = int(self.st.active.sum())
+            if running == 0 or (passes > 0 and running < floor):
+                return
+            trial_step(self.prob, self.st, self.tols, self.limit)
+
+    def running(self) -> torch.Tensor:
+        """Per pixel: whether it still iterates."""
+        return self.st.active.clone()
+
+    def take(self, rows: torch.Tensor) -> Batch:
+        """The batch of pixels ``rows`` (an index tensor), in that order."""
+        return replace(self, prob=self.prob.take(rows), st=self.st.take(rows))
+
+    def finish(self, absolute_sigma: bool = False) -> LMResult:
+        """The result of every pixel of the batch, as it stands."""
+        return _finish(self.prob, self.st, absolute_sigma)
+
+
+def join(batches: Sequence[Batch]) -> Batch:
+    """One batch of the pixels of ``batches`` (of the same fit), in order."""
+    first = batches[0]
+    return replace(
+        first,
+        prob=Problem.join([x.prob for x in batches]),
+        st=State.join([x.st for x in batches]),
+    )
+
+
+def begin(
+    f: Model,
+    t: torch.Tensor,
+    b: torch.Tensor,
+    p0: torch.Tensor,
+    *,
+    weights: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    bounds: BoundsLike | None = None,
+    max_iter: int | None = None,
+    xtol: float | None = None,
+    ftol: float | None = None,
+    gtol: float = 0.0,
+    factor: float = 100.0,
+    jacobian: Literal["auto", "fwd", "rev"] = "auto",
+) -> Batch:
+    """The batch of every pixel at its start (arguments as :func:`fit_batched`'s)."""
     prob, u0 = problem(f, t, b, p0, weights, mask, bounds, jacobian)
     n_param = u0.shape[-1]
     eps = torch.finfo(b.dtype).eps
@@ -122,13 +218,7 @@ def fit_batched(
     limit = default_max_iter(n_param) if max_iter is None else max_iter
     if limit < 1:
         raise ValueError(f"max_iter must be >= 1, got {max_iter}")
-    st = start(prob, u0)
-    for _ in range(limit):
-        refresh_jacobian(prob, st, factor, gtol)
-        if not bool(st.active.any()):
-            break
-        trial_step(prob, st, (tol_f, tol_x), limit)
-    return _finish(prob, st, absolute_sigma)
+    return Batch(prob, start(prob, u0), limit, (tol_f, tol_x), factor, gtol)
 
 
 def _finish(prob: Problem, st: State, absolute_sigma: bool) -> LMResult:

@@ -9,8 +9,8 @@ more parameters than observations).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -37,6 +37,27 @@ class Problem:
     n_valid: torch.Tensor  # (P,) int
     box: Box | None
     unit_weights: bool = False  # no weights given: √w is 1 wherever valid
+
+    def take(self, rows: torch.Tensor) -> Problem:
+        """The problem of pixels ``rows`` (an index tensor) alone, in that order."""
+        return replace(
+            self,
+            b=self.b[rows],
+            valid=self.valid[rows],
+            sqrtw=self.sqrtw[rows],
+            n_valid=self.n_valid[rows],
+        )
+
+    @staticmethod
+    def join(parts: Sequence[Problem]) -> Problem:
+        """One problem of the pixels of ``parts`` (the same model and settings), in order."""
+        return replace(
+            parts[0],
+            b=torch.cat([x.b for x in parts]),
+            valid=torch.cat([x.valid for x in parts]),
+            sqrtw=torch.cat([x.sqrtw for x in parts]),
+            n_valid=torch.cat([x.n_valid for x in parts]),
+        )
 
     def residuals(self, u: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Weighted residuals ``√w (f − b)`` (k, m) of pixels ``idx`` at ``u``, 0 if not valid."""

@@ -18,7 +18,8 @@ compare with its source (``fnorm``, ``xnorm``, ``delta``, ``par``, ``actred``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -47,6 +48,17 @@ class State:
     reason: torch.Tensor  # (P,) int8 MINPACK info, 0 while running
     not_finite: torch.Tensor  # (P,) bool: model or Jacobian not finite where evaluated
     not_finite_at_start: torch.Tensor  # (P,) bool: already at the start
+
+    def take(self, rows: torch.Tensor) -> State:
+        """The state of pixels ``rows`` (an index tensor) alone, in that order."""
+        return State(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+    @staticmethod
+    def join(parts: Sequence[State]) -> State:
+        """One state of the pixels of ``parts``, in order."""
+        return State(
+            **{f.name: torch.cat([getattr(x, f.name) for x in parts]) for f in fields(State)}
+        )
 
 
 def start(prob: Problem, u0: torch.Tensor) -> State:
@@ -97,11 +109,14 @@ def refresh_jacobian(prob: Problem, st: State, factor: float, gtol: float) -> No
     Je = torch.empty((k, n + 1, st.e.shape[-1]), dtype=u.dtype, device=u.device).mT
     J = prob.weighted_jacobian(u, idx, out=Je[..., :n])
     Je[..., n] = st.e[idx]
-    finite = torch.isfinite(J).all(dim=-1).all(dim=-1)
-    if not bool(finite.all()):
-        J.masked_fill_(~finite[:, None, None], 0.0)
-    R, qtf = qr_of_jacobian(Je)
     acnorm = torch.linalg.vector_norm(J, dim=-2)
+    # a finite column norm has finite entries: the full test only where a norm is not finite
+    finite = torch.isfinite(acnorm).all(dim=-1)
+    if not bool(finite.all()):
+        finite = torch.isfinite(J).all(dim=-1).all(dim=-1)
+        J.masked_fill_(~finite[:, None, None], 0.0)
+        acnorm = torch.linalg.vector_norm(J, dim=-2)
+    R, qtf = qr_of_jacobian(Je)
     first = st.first[idx]
     # scale by the column norms of the first Jacobian (MINPACK's mode 1), then never shrink
     diag = torch.where(first[:, None], torch.where(acnorm == 0, 1.0, acnorm), st.diag[idx])
@@ -136,9 +151,9 @@ def trial_step(prob: Problem, st: State, tols: tuple[float, float], limit: int) 
     delta = torch.where(first, torch.minimum(delta, pnorm), delta)
     e_new = prob.residuals(u_new, idx)
     # a step to where the model is not finite is a failed step (infinite cost)
-    fnorm1 = torch.where(
-        torch.isfinite(e_new).all(dim=-1), torch.linalg.vector_norm(e_new, dim=-1), torch.inf
-    )
+    # ‖e‖ is finite exactly where every entry is and the sum does not overflow (inf then too)
+    fnorm1 = torch.linalg.vector_norm(e_new, dim=-1)
+    fnorm1 = torch.where(torch.isfinite(fnorm1), fnorm1, torch.inf)
     actred = torch.where(0.1 * fnorm1 < fnorm, 1 - (fnorm1 / fnorm) ** 2, -1.0)
     temp1 = torch.linalg.vector_norm((R @ step[..., None])[..., 0], dim=-1) / fnorm
     temp2 = torch.sqrt(par) * pnorm / fnorm
