@@ -45,7 +45,7 @@ _FIT_LOCK = threading.Lock()
 #: (benchmarks/bench_curvefit.py's cube, AMD EPYC, 2 cores) chunks of 8,192 and 16,384
 #: pixels took 5.2–6.0 s, 25,000 took 10 s and one chunk of 100,000 took 13 s (the
 #: fresh memory of each pass cost more than its arithmetic); 2,048 paid the per-pass
-#: Python overhead instead. A chunk also stops with its own slowest pixel.
+#: Python overhead instead (measured before slow pixels were pooled across chunks).
 CHUNK_PIXELS = 8192
 
 #: A chunk iterates until fewer than this share of its pixels still run; those are set
@@ -276,11 +276,12 @@ def fit_pixels(
     ``weights`` (pixel, obs) per pixel or (obs,) shared; ``bounds`` (lower, upper) per
     parameter, ±inf where open. Chunks hold at most ``CHUNK_PIXELS`` pixels (or
     ``config.chunk_pixels``) and fit the memory budget. A chunk iterates until fewer
-    than ``POOL_BELOW`` of its pixels still run; the pixels still running are set aside
+    than ``POOL_BELOW`` of the pixels it started running still run; those are set aside
     and go on from where they stopped, pooled with those of other chunks, a chunk's
-    worth at a time: every pixel iterates on its own, so its path is the same (to the
-    last bits, see ``fit_batched``), and the slow pixels' passes are paid once per pool,
-    not once per chunk. At most about two chunks' worth of pixels wait at a time.
+    worth at a time: every pixel iterates on its own, so its path is the same (up to
+    the last bits, see ``fit_batched``), and the slow pixels' passes are paid once per
+    pool, not once per chunk. At most about two chunks' worth of pixels wait at a time.
+    A tile of one chunk is one batch, run to the end.
     """
     n_pix, n_obs, n_param = B.shape[0], int(t.shape[0]), int(p0.shape[0])
     device = t.device
@@ -325,6 +326,10 @@ def fit_pixels(
         rows = np.concatenate([r for r, _ in group])
         settle(rows, join([batch for _, batch in group]), until_below)
 
+    if n_pix == 0:  # arrays of no pixels, shaped as the fit's
+        with _FIT_LOCK:
+            empty = torch.empty((0, n_obs), dtype=torch.float64, device=device)
+            return begin(f, t, empty, p0, bounds=bounds).finish(absolute).arrays()
     pool_below = POOL_BELOW if n_pix > step else 0.0  # one chunk: one batch to the end
     for lo in range(0, n_pix, step):
         rows = np.arange(lo, min(lo + step, n_pix))

@@ -37,7 +37,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from gridsolve.stages.solve.levmar_bounds import BoundsLike
+from gridsolve.stages.solve.levmar_bounds import BoundsLike, Box
 from gridsolve.stages.solve.levmar_linalg import covariance
 from gridsolve.stages.solve.levmar_problem import Model, Problem, problem
 from gridsolve.stages.solve.levmar_state import State, refresh_jacobian, start, trial_step
@@ -157,10 +157,10 @@ class Batch:
     def advance(self, until_below: float = 0.0) -> None:
         """Loop passes until every pixel has stopped, or stop early.
 
-        Early: after at least one pass, when fewer than ``until_below`` × the batch's
-        pixels still run (0: never).
+        Early: after at least one pass, when fewer than ``until_below`` × the pixels
+        that ran at the start of this call still run (0: never).
         """
-        floor = until_below * len(self)
+        floor = until_below * int(self.st.active.sum())
         for passes in range(self.limit):
             refresh_jacobian(self.prob, self.st, self.factor, self.gtol)
             running = int(self.st.active.sum())
@@ -184,11 +184,27 @@ class Batch:
 def join(batches: Sequence[Batch]) -> Batch:
     """One batch of the pixels of ``batches`` (of the same fit), in order."""
     first = batches[0]
+    for other in batches[1:]:
+        # the same fit: its weighting, box and loop settings (the model is the caller's)
+        if not (_same_box(other.prob.box, first.prob.box)) or (
+            other.prob.unit_weights,
+            other.limit,
+            other.tols,
+            other.factor,
+            other.gtol,
+        ) != (first.prob.unit_weights, first.limit, first.tols, first.factor, first.gtol):
+            raise ValueError("join: the batches are not of the same fit")
     return replace(
         first,
         prob=Problem.join([x.prob for x in batches]),
         st=State.join([x.st for x in batches]),
     )
+
+
+def _same_box(a: Box | None, b: Box | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return bool(torch.equal(a.lo, b.lo) and torch.equal(a.hi, b.hi))
 
 
 def begin(

@@ -279,3 +279,35 @@ def test_pixels_pooled_across_chunks_keep_the_path_of_one_fit(
     np.testing.assert_array_equal(pooled["reason"], whole["reason"])
     for name in ("params", "param_stderr", "cost", "residual_rms", "covariance"):
         np.testing.assert_allclose(pooled[name], whole[name], rtol=1e-12, err_msg=name)
+
+
+def test_no_pixels_give_empty_arrays_shaped_like_the_fit() -> None:
+    import torch
+    from my_curves import season
+
+    from gridsolve.stages.solve import curvefit
+
+    t = torch.arange(46, dtype=torch.float64) * 8.0
+    p0 = torch.tensor(list(P0.values()), dtype=torch.float64)
+    out = curvefit.fit_pixels(season, t, np.zeros((0, 46)), p0, CurvefitSolve(**SOLVE))
+    n = len(P0)
+    assert out["params"].shape == (0, n) and out["covariance"].shape == (0, n, n)
+    assert out["status"].shape == (0,) and out["status"].dtype == np.int8
+
+
+def test_batches_of_different_fits_are_not_joined() -> None:
+    import torch
+    from my_curves import season
+
+    from gridsolve.stages.solve.levmar import begin, join
+
+    t = torch.arange(46, dtype=torch.float64) * 8.0
+    p0 = torch.tensor(list(P0.values()), dtype=torch.float64)
+    b = torch.ones(3, 46, dtype=torch.float64)
+    plain = begin(season, t, b, p0)
+    weighted = begin(season, t, b, p0, weights=torch.full((46,), 2.0, dtype=torch.float64))
+    assert len(join([plain, begin(season, t, b, p0)])) == 6
+    with pytest.raises(ValueError, match="not of the same fit"):
+        join([plain, weighted])
+    with pytest.raises(ValueError, match="not of the same fit"):
+        join([plain, begin(season, t, b, p0, max_iter=7)])
