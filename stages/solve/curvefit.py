@@ -48,11 +48,12 @@ _FIT_LOCK = threading.Lock()
 #: Python overhead instead (measured before slow pixels were pooled across chunks).
 CHUNK_PIXELS = 8192
 
-#: A chunk iterates until fewer than this share of its pixels still run; those are set
-#: aside and go on later, pooled with the slow pixels of other chunks (see fit_pixels). A
+#: A chunk iterates until fewer than this share of the pixels it started running still run;
+#: those are set aside and go on later, pooled with other chunks' slow pixels (fit_pixels). A
 #: loop pass costs about the same fixed 10 ms (a hundred small torch calls) whether it moves
 #: 8,192 pixels or one, and a chunk's slowest pixel takes 20-30 passes where most stop
-#: within 5: without pooling, those tails were a third of a 250,000-pixel fit.
+#: within 5 (on 250,000 pixels, 31 chunks: 266 trial-step calls per 100,000 pixels
+#: unpooled, 88-100 pooled; with the trimmed LM step, the fit went from 17.2 s to 12.4-13 s).
 POOL_BELOW = 0.5
 
 #: How to write f so that it batches (what a failing probe tells the user).
