@@ -293,44 +293,11 @@ def fit_pixels(
     per_px = pixel_bytes_of(n_obs, n_param, config.covariance)
     step = config.chunk_pixels or min(CHUNK_PIXELS, chunk_size(work_share(memory_budget), per_px))
     limit = config.max_iter or default_max_iter(n_param)
-    absolute = config.cov_scale == "unscaled"
-    out: dict[str, np.ndarray] = {}
-    pending: list[tuple[np.ndarray, Batch]] = []  # (rows of B, their batch) still running
-
-    def settle(rows: np.ndarray, batch: Batch, until_below: float) -> None:
-        """Iterate ``batch``; store the pixels that stopped, set the others aside."""
-        with _FIT_LOCK:
-            batch.advance(until_below)
-            running = batch.running()
-            stopped = torch.nonzero(~running).flatten()
-            if stopped.numel():
-                part = batch if stopped.numel() == len(batch) else batch.take(stopped)
-                at = rows[stopped.cpu().numpy()]
-                for name, values in part.finish(absolute).arrays().items():
-                    if name not in out:
-                        out[name] = np.empty((n_pix, *values.shape[1:]), values.dtype)
-                    out[name][at] = values
-            slow = torch.nonzero(running).flatten()
-            if slow.numel():
-                pending.append((rows[slow.cpu().numpy()], batch.take(slow)))
-
-    def waiting() -> int:
-        return sum(len(batch) for _, batch in pending)
-
-    def pool(until_below: float) -> None:
-        """The oldest waiting pixels, at most a chunk of them, iterated together."""
-        group = [pending.pop(0)]
-        size = len(group[0][1])
-        while pending and size + len(pending[0][1]) <= step:
-            group.append(pending.pop(0))
-            size += len(group[-1][1])
-        rows = np.concatenate([r for r, _ in group])
-        settle(rows, join([batch for _, batch in group]), until_below)
-
+    fits = _Fits(n_pix, step, config.cov_scale == "unscaled")
     if n_pix == 0:  # arrays of no pixels, shaped as the fit's
         with _FIT_LOCK:
             empty = torch.empty((0, n_obs), dtype=torch.float64, device=device)
-            return begin(f, t, empty, p0, bounds=bounds).finish(absolute).arrays()
+            return begin(f, t, empty, p0, bounds=bounds).finish(fits.absolute).arrays()
     pool_below = POOL_BELOW if n_pix > step else 0.0  # one chunk: one batch to the end
     for lo in range(0, n_pix, step):
         rows = np.arange(lo, min(lo + step, n_pix))
@@ -352,12 +319,56 @@ def fit_pixels(
                 ftol=config.ftol,
                 gtol=config.gtol,
             )
-        settle(rows, batch, pool_below)
-        while waiting() >= step:
-            pool(pool_below)
-    while pending:
-        pool(0.0 if waiting() <= step else pool_below)
-    return out
+        fits.settle(rows, batch, pool_below)
+        while fits.waiting() >= step:
+            fits.pool(pool_below)
+    while fits.pending:
+        fits.pool(0.0 if fits.waiting() <= step else pool_below)
+    return fits.out
+
+
+class _Fits:
+    """A tile's fit in progress (see :func:`fit_pixels`).
+
+    ``out``: the results of the pixels that stopped, by row of the tile;
+    ``pending``: the batches of pixels set aside, still running.
+    """
+
+    def __init__(self, n_pix: int, step: int, absolute: bool) -> None:
+        self.n_pix, self.step, self.absolute = n_pix, step, absolute
+        self.out: dict[str, np.ndarray] = {}
+        self.pending: list[tuple[np.ndarray, Batch]] = []  # (rows, their batch) still running
+
+    def settle(self, rows: np.ndarray, batch: Batch, until_below: float) -> None:
+        """Iterate ``batch``; store the pixels that stopped, set the others aside."""
+        with _FIT_LOCK:
+            batch.advance(until_below)
+            running = batch.running()
+            stopped = torch.nonzero(~running).flatten()
+            if stopped.numel():
+                part = batch if stopped.numel() == len(batch) else batch.take(stopped)
+                at = rows[stopped.cpu().numpy()]
+                for name, values in part.finish(self.absolute).arrays().items():
+                    if name not in self.out:
+                        self.out[name] = np.empty((self.n_pix, *values.shape[1:]), values.dtype)
+                    self.out[name][at] = values
+            slow = torch.nonzero(running).flatten()
+            if slow.numel():
+                self.pending.append((rows[slow.cpu().numpy()], batch.take(slow)))
+
+    def waiting(self) -> int:
+        """Pixels set aside, still running."""
+        return sum(len(batch) for _, batch in self.pending)
+
+    def pool(self, until_below: float) -> None:
+        """The oldest waiting pixels, at most a chunk of them, iterated together."""
+        group = [self.pending.pop(0)]
+        size = len(group[0][1])
+        while self.pending and size + len(self.pending[0][1]) <= self.step:
+            group.append(self.pending.pop(0))
+            size += len(group[-1][1])
+        rows = np.concatenate([r for r, _ in group])
+        self.settle(rows, join([batch for _, batch in group]), until_below)
 
 
 def _tile_output(
