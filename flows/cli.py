@@ -560,6 +560,10 @@ COMMANDS = {
 #: wrapper that stays to supervise them is small.
 _LAUNCHERS = frozenset({"server", "worker", "deploy"})
 
+#: How long a run waits for Prefect's temporary server (see main), unless the user set it.
+STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+STARTUP_TIMEOUT_S = "120"
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gridsolve`` command."""
@@ -575,6 +579,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # and event flushes) run all the same.
     atexit.register(gc.freeze)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Without PREFECT_API_URL Prefect starts a temporary server and waits 20 s for it. Its
+    # first start on a fresh PREFECT_HOME creates the database; on a loaded 2-core host
+    # that took longer (CI, 2026-12-07) and the run ended in a traceback. The wait ends as
+    # soon as the server answers, so a longer limit costs nothing; unless the user set one.
+    os.environ.setdefault(STARTUP_TIMEOUT_ENV, STARTUP_TIMEOUT_S)
     if os.environ.get("PREFECT_API_URL") == "":
         # Set but empty (`PREFECT_API_URL= gridsolve …`) means unset, as for the user;
         # Prefect would start its temporary server and then fail to send it events.

@@ -158,6 +158,29 @@ def test_an_empty_prefect_api_url_counts_as_unset(tmp_path: Path) -> None:
     assert (tmp_path / "out.nc").is_file()
 
 
+@pytest.mark.parametrize("user_set", [None, "7"])
+def test_the_wait_for_prefects_temporary_server_is_long_unless_the_user_set_it(
+    monkeypatch: pytest.MonkeyPatch, user_set: str | None
+) -> None:
+    """Prefect's 20 s ended runs on a loaded host whose first temporary server was slower."""
+    from gridsolve.flows import cli
+
+    if user_set is None:
+        monkeypatch.delenv(cli.STARTUP_TIMEOUT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(cli.STARTUP_TIMEOUT_ENV, user_set)
+    seen: list[str | None] = []
+    monkeypatch.setitem(
+        cli.COMMANDS, "schema", lambda args: seen.append(os.environ.get(cli.STARTUP_TIMEOUT_ENV))
+    )
+    assert cli.main(["schema"]) is None  # the stand-in command's return
+    assert seen == [user_set or "120"]
+    from prefect.settings import Settings
+
+    # the name is the one Prefect reads (settings made afresh from the environment)
+    assert str(Settings().server.ephemeral.startup_timeout_seconds) == seen[0]
+
+
 def test_bad_override_syntax(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, tmp_path / "cube.nc")
     assert_clean_failure(gridsolve("run", str(cfg), "--set", "solve.ridge"), "key=value")
