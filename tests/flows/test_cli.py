@@ -165,10 +165,10 @@ def test_the_wait_for_prefects_temporary_server_is_long_unless_the_user_set_it(
     """Prefect's 20 s ended runs on a loaded host whose first temporary server was slower."""
     from gridsolve.flows import cli
 
+    # set first, so that monkeypatch restores the variable main() sets as it was before
+    monkeypatch.setenv(cli.STARTUP_TIMEOUT_ENV, user_set or "")
     if user_set is None:
-        monkeypatch.delenv(cli.STARTUP_TIMEOUT_ENV, raising=False)
-    else:
-        monkeypatch.setenv(cli.STARTUP_TIMEOUT_ENV, user_set)
+        monkeypatch.delenv(cli.STARTUP_TIMEOUT_ENV)
     seen: list[str | None] = []
     monkeypatch.setitem(
         cli.COMMANDS, "schema", lambda args: seen.append(os.environ.get(cli.STARTUP_TIMEOUT_ENV))
