@@ -560,7 +560,8 @@ COMMANDS = {
 #: wrapper that stays to supervise them is small.
 _LAUNCHERS = frozenset({"server", "worker", "deploy"})
 
-#: How long a run waits for Prefect's temporary server (see main), unless the user set it.
+#: How long a run waits for Prefect's temporary server (see main), unless the environment
+#: sets it.
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 STARTUP_TIMEOUT_S = "120"
 
@@ -582,7 +583,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Without PREFECT_API_URL Prefect starts a temporary server and waits 20 s for it. Its
     # first start on a fresh PREFECT_HOME creates the database; on a loaded 2-core host
     # that took longer (CI, 2026-12-07) and the run ended in a traceback. The wait ends as
-    # soon as the server answers, so a longer limit costs nothing; unless the user set one.
+    # soon as the server answers, so a longer limit costs nothing. A value in the environment
+    # wins; one in a Prefect profile does not (the environment outranks profiles, and
+    # reading the profile here would import Prefect's settings before every command).
     os.environ.setdefault(STARTUP_TIMEOUT_ENV, STARTUP_TIMEOUT_S)
     if os.environ.get("PREFECT_API_URL") == "":
         # Set but empty (`PREFECT_API_URL= gridsolve …`) means unset, as for the user;
