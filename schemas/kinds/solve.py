@@ -193,6 +193,13 @@ class CurvefitSolve(SolveConfig):
     chunk_pixels: int | None = speed_field(
         None, "Pixels fitted at once; default from the memory budget.", ge=1
     )
+    compile: Literal["auto", "always", "never"] = speed_field(
+        "auto",
+        "torch.compile the batched Jacobian of f: auto (when the grid has at least a million "
+        "pixels, where compiling pays), always, or never. A compiled Jacobian is checked "
+        "against the eager one within the agreement bound, and any compile failure or "
+        "disagreement falls back to eager.",
+    )
 
     @field_validator("params")
     @classmethod

@@ -13,6 +13,8 @@ outcome has its own status code (``levmar_status.FIT_STATUS_FLAGS``).
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,9 +33,13 @@ from gridsolve.stages.engine.paths import import_named
 from gridsolve.stages.engine.store import Artifact, StageOutput
 from gridsolve.stages.engine.timing import torch_func_ready
 from gridsolve.stages.solve.levmar import Batch, begin, default_max_iter, join
+from gridsolve.stages.solve.levmar_compiled import COMPILE_MIN_PIXELS, compiled_jacobians
+from gridsolve.stages.solve.levmar_problem import Rows, problem
 from gridsolve.stages.solve.levmar_status import FIT_STATUS_FLAGS
 
 STAGE = "solve/curvefit"
+
+_log = logging.getLogger("gridsolve.solve")
 
 #: torch's forward-mode AD levels (jacfwd) are process-global: two tiles fitted at once
 #: on threads (the flow's default runner) fail with "invalid forward AD level"; a tile
@@ -257,6 +263,8 @@ def run_tile(
         bounds=bounds,
         weights=own_w if own_w is not None else shared_w,
         memory_budget=ctx.memory_budget,
+        grid_pixels=int(np.prod(load_meta.grid_shape())),
+        compile_key=f"{prepared.key}:{device}",
     )
     return _tile_output(fitted, config, tile.shape)
 
@@ -271,18 +279,23 @@ def fit_pixels(
     bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
     weights: np.ndarray | None = None,
     memory_budget: int = 2**30,
+    grid_pixels: int | None = None,
+    compile_key: str | None = None,
 ) -> dict[str, np.ndarray]:
     """Fit ``f`` to every row of ``B`` (pixel, obs): :class:`LMResult` arrays, pixel first.
 
     ``weights`` (pixel, obs) per pixel or (obs,) shared; ``bounds`` (lower, upper) per
-    parameter, ±inf where open. Chunks hold at most ``CHUNK_PIXELS`` pixels (or
-    ``config.chunk_pixels``) and fit the memory budget. A chunk iterates until fewer
-    than ``POOL_BELOW`` of the pixels it started running still run; those are set aside
-    and go on from where they stopped, pooled with those of other chunks, a chunk's
-    worth at a time: every pixel iterates on its own, so its path is the same (up to
-    the last bits, see ``fit_batched``), and the slow pixels' passes are paid once per
-    pool, not once per chunk. At most about two chunks' worth of pixels wait at a time.
-    A tile of one chunk is one batch, run to the end.
+    parameter, ±inf where open. ``config.compile``: whether the Jacobian is compiled
+    (:mod:`.levmar_compiled`; ``auto`` decides by ``grid_pixels``, default the rows of
+    ``B``), once per process for ``compile_key`` (what ``f``, ``t``, ``p0`` and the
+    bounds are; default: this ``f`` object and those values). Chunks hold at most
+    ``CHUNK_PIXELS`` pixels (or ``config.chunk_pixels``) and fit the memory budget. A
+    chunk iterates until fewer than ``POOL_BELOW`` of the pixels it started running still
+    run; those are set aside and go on from where they stopped, pooled with those of
+    other chunks, a chunk's worth at a time: every pixel iterates on its own, so its
+    path is the same (up to the last bits, see ``fit_batched``), and the slow pixels'
+    passes are paid once per pool, not once per chunk. At most about two chunks' worth
+    of pixels wait at a time. A tile of one chunk is one batch, run to the end.
     """
     n_pix, n_obs, n_param = B.shape[0], int(t.shape[0]), int(p0.shape[0])
     device = t.device
@@ -298,6 +311,9 @@ def fit_pixels(
         with _FIT_LOCK:
             empty = torch.empty((0, n_obs), dtype=torch.float64, device=device)
             return begin(f, t, empty, p0, bounds=bounds).finish(fits.absolute).arrays()
+    jacobians = _compiled(
+        f, t, p0, bounds, config, min(step, n_pix), grid_pixels or n_pix, compile_key
+    )
     pool_below = POOL_BELOW if n_pix > step else 0.0  # one chunk: one batch to the end
     for lo in range(0, n_pix, step):
         rows = np.arange(lo, min(lo + step, n_pix))
@@ -318,6 +334,7 @@ def fit_pixels(
                 xtol=config.xtol,
                 ftol=config.ftol,
                 gtol=config.gtol,
+                jacobians=jacobians,
             )
         fits.settle(rows, batch, pool_below)
         while fits.waiting() >= step:
@@ -325,6 +342,37 @@ def fit_pixels(
     while fits.pending:
         fits.pool(0.0 if fits.waiting() <= step else pool_below)
     return fits.out
+
+
+def _compiled(
+    f: Callable[..., Any],
+    t: torch.Tensor,
+    p0: torch.Tensor,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None,
+    config: CurvefitSolve,
+    rows: int,
+    grid_pixels: int,
+    key: str | None,
+) -> tuple[Rows, Rows] | None:
+    """The compiled (∂f/∂u, ∂f/∂p) for chunks of ``rows`` pixels, or None (run eager).
+
+    None unless ``config.compile`` asks for them, they compile and they agree with eager.
+    """
+    if config.compile == "never" or (config.compile == "auto" and grid_pixels < COMPILE_MIN_PIXELS):
+        return None
+    owner: object = None
+    if key is None:  # this very function object, at these values
+        owner = f
+        parts = [t, p0, *(bounds or ())]
+        digest = hashlib.sha256(b"".join(x.detach().cpu().numpy().tobytes() for x in parts))
+        key = f"{id(f)}:{digest.hexdigest()[:16]}:{t.device}"
+    with _FIT_LOCK:
+        one = torch.zeros((1, int(t.shape[0])), dtype=torch.float64, device=t.device)
+        prob, u0 = problem(f, t, one, p0, None, None, bounds, "auto")
+        example = u0.expand(rows, -1).clone()
+        return compiled_jacobians(
+            f"{key}:{rows}", owner, prob.jacobian, prob.jacobian_p, example, _log
+        )
 
 
 class _Fits:

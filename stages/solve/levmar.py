@@ -39,7 +39,7 @@ import torch
 
 from gridsolve.stages.solve.levmar_bounds import BoundsLike, Box
 from gridsolve.stages.solve.levmar_linalg import covariance
-from gridsolve.stages.solve.levmar_problem import Model, Problem, problem
+from gridsolve.stages.solve.levmar_problem import Model, Problem, Rows, problem
 from gridsolve.stages.solve.levmar_state import State, refresh_jacobian, start, trial_step
 from gridsolve.stages.solve.levmar_status import FitStatus, assign_status
 
@@ -222,9 +222,13 @@ def begin(
     gtol: float = 0.0,
     factor: float = 100.0,
     jacobian: Literal["auto", "fwd", "rev"] = "auto",
+    jacobians: tuple[Rows, Rows] | None = None,
 ) -> Batch:
-    """The batch of every pixel at its start (arguments as :func:`fit_batched`'s)."""
-    prob, u0 = problem(f, t, b, p0, weights, mask, bounds, jacobian)
+    """The batch of every pixel at its start.
+
+    Arguments as :func:`fit_batched`'s; ``jacobians`` as :func:`.levmar_problem.problem`'s.
+    """
+    prob, u0 = problem(f, t, b, p0, weights, mask, bounds, jacobian, jacobians)
     n_param = u0.shape[-1]
     eps = torch.finfo(b.dtype).eps
     tol_x = eps**0.5 if xtol is None else xtol

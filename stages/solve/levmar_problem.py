@@ -23,6 +23,9 @@ from gridsolve.stages.solve.levmar_bounds import BoundsLike, Box
 #: to values (n_obs,).
 Model = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+#: A batched function of parameter rows: u (k, n) → (k, …).
+Rows = Callable[[torch.Tensor], torch.Tensor]
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -113,8 +116,13 @@ def problem(
     mask: torch.Tensor | None,
     bounds: BoundsLike | None,
     how: Literal["auto", "fwd", "rev"],
+    jacobians: tuple[Rows, Rows] | None = None,
 ) -> tuple[Problem, torch.Tensor]:
-    """The problem and the internal start (P, n) from the user's arguments, checked."""
+    """The problem and the internal start (P, n) from the user's arguments, checked.
+
+    ``jacobians``: (∂f/∂u, ∂f/∂p) of these ``f``, ``t`` and bounds already batched
+    (compiled: :mod:`.levmar_compiled`), used instead of batching them again.
+    """
     if b.ndim != 2 or b.dtype not in (torch.float32, torch.float64):
         raise ValueError(
             f"b must be a float32 or float64 (pixel, obs) array, got {tuple(b.shape)} {b.dtype}"
@@ -140,6 +148,8 @@ def problem(
     model = f if box is None else (lambda t_, u: f(t_, box.to_external(u)))
     values, jac = _batched(model, t, n_param, how)
     jac_p = jac if box is None else _batched(f, t, n_param, how)[1]
+    if jacobians is not None:
+        jac, jac_p = jacobians
     zero = torch.zeros_like(b)
     prob = Problem(
         values=values,
