@@ -89,3 +89,18 @@ def print_verdicts(verdicts: Sequence[tuple[Any, ...]]) -> None:
             f"{name} = {value:.2f}{unit} (target {op_} {target:g}{unit}: "
             f"{'met' if met else 'NOT met'})"
         )
+
+
+def into_readme(text: str, block: str, body: str, command: str) -> str:
+    """``text`` (the README) with its generated block ``block`` replaced by ``body``.
+
+    The block lies between ``<!-- {block}:start -->`` and ``<!-- {block}:end -->``;
+    ``command`` is what wrote it (said in the block: never edited by hand).
+    """
+    start, end = f"<!-- {block}:start -->", f"<!-- {block}:end -->"
+    head, found, rest = text.partition(start)
+    _, found_end, tail = rest.partition(end)
+    if not found or not found_end:
+        raise SystemExit(f"README.md has no {start} … {end} block to write into")
+    note = f"<!-- written by `{command}`; not edited by hand -->"
+    return f"{head}{start}\n{note}\n\n{body}\n{end}{tail}"

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import machine
+from common import into_readme, machine
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = {
@@ -93,23 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"markdown table for docs/benchmarks.md: {out / 'summary.md'}")
     if args.readme and not failed:
         readme = HERE.parent / "README.md"
-        readme.write_text(into_readme(readme.read_text(), markdown(rows, names, machine())))
+        table = markdown(rows, names, machine())
+        readme.write_text(
+            into_readme(
+                readme.read_text(), "benchmarks", table, "python benchmarks/run.py --readme"
+            )
+        )
         print(f"wrote the table into {readme}")
     return 1 if failed else 0
-
-
-#: The README's generated block: what --readme replaces (never edited by hand).
-START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
-
-
-def into_readme(text: str, table: str) -> str:
-    """``text`` with the block between :data:`START` and :data:`END` replaced by ``table``."""
-    head, found, rest = text.partition(START)
-    _, found_end, tail = rest.partition(END)
-    if not found or not found_end:
-        raise SystemExit(f"README.md has no {START} … {END} block to write the table into")
-    note = "<!-- written by `python benchmarks/run.py --readme`; not edited by hand -->"
-    return f"{head}{START}\n{note}\n\n{table}\n{END}{tail}"
 
 
 def markdown(rows: list[tuple[str, str, str, str]], names: list[str], where: str) -> str:
