@@ -12,9 +12,11 @@ Rows, side by side in one run (median and min–max over repeats):
 
 1. gridsolve on every pixel: the curvefit stage's chunked fit (``fit_pixels``: batched
    Levenberg–Marquardt chunk by chunk), numpy arrays in memory to numpy results, with the
-   Jacobian eager (``compile: never``, and ``auto`` below a million pixels, as here) and
+   Jacobian eager (``compile: never``; ``auto`` too below a million pixels, the default
+   size) and
    compiled (``compile: always``: its first call, compile included, and the median of the
-   later calls of the process, which reuse the compiled Jacobian);
+   later calls of the process, which reuse the compiled Jacobian; timed after the eager
+   rows, not alternated with them);
 2. xarray ``DataArray.curvefit(skipna=True)`` (scipy ``curve_fit`` per pixel) on a
    subset laid out as a (y, x) grid, extrapolated linearly to every pixel;
 3. a plain Python loop of ``scipy.optimize.curve_fit(method="lm")`` on the same

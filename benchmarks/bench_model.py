@@ -335,12 +335,16 @@ class CliRuns:
         for f in self.folder.glob(f"out{self.runs}.nc*"):
             f.unlink()
         lines = text.splitlines()
-        row = next(line.split() for line in lines if line.startswith("model "))
-        prof = next(line for line in lines if line.strip().startswith("model ") and " · " in line)
-        phases = dict(re.findall(r"(\w+) (\d+\.\d+)", prof))
+        rows = [line.split() for line in lines if line.startswith("model ")]
+        profs = [line for line in lines if line.strip().startswith("model ") and " · " in line]
+        if not rows or not profs:
+            raise RuntimeError(f"no model row or profile line in gridsolve run's output:\n{text}")
+        row, prof = rows[0], profs[0]
+        phases = {k: float(v) for k, v in re.findall(r"(\w+) (\d+\.\d+)", prof)}
+        if not {"compute", "store"} <= set(phases):
+            raise RuntimeError(f"no compute and store phases in the profile's line: {prof!r}")
         # seconds, then pixels/s (the cache label may hold spaces)
-        seconds = float(row[-2])
-        return seconds, float(phases.get("compute", 0)), float(phases.get("store", 0)), cached
+        return float(row[-2]), phases["compute"], phases["store"], cached
 
 
 def store_floor_seconds(folder: Path, before: int, nbytes: int, repeats: int) -> float:

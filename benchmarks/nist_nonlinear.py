@@ -17,6 +17,7 @@ dataset with both starts, into README.md between its nist-nonlinear markers)
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import warnings
@@ -33,8 +34,13 @@ from common import into_readme, machine
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+def _digits(value: float) -> str:
+    """An LRE to one decimal, rounded down: 5.96 digits is not 6."""
+    return f"{math.floor(value * 10) / 10:.1f}"
+
+
 def _cell(value: float | None) -> str:
-    return "fail" if value is None else f"{value:.1f}"
+    return "fail" if value is None else _digits(value)
 
 
 def main() -> int:
@@ -59,14 +65,15 @@ def main() -> int:
     for r in rows:
         print(
             f"| {r.name} | {nist_nonlinear.DIFFICULTY[r.name]} | {r.start} | {r.status} "
-            f"| {r.lre_params:.1f} | {r.lre_sd:.1f} | {'yes' if r.reached else 'no'} "
+            f"| {_digits(r.lre_params)} | {_digits(r.lre_sd)} | {'yes' if r.reached else 'no'} "
             f"| {_cell(r.scipy_params)} | {_cell(r.scipy_sd)} |"
         )
     reached = sum(r.reached for r in rows)
     print(f"\ngridsolve reached 6 digits in {reached} of {len(rows)} fits")
     if args.readme:
         command = "python benchmarks/nist_nonlinear.py --readme"
-        README.write_text(into_readme(README.read_text(), "nist-nonlinear", compact(rows), command))
+        body = compact(rows, args.tol)
+        README.write_text(into_readme(README.read_text(), "nist-nonlinear", body, command))
         print(f"wrote the table into {README}")
     return 0
 
@@ -75,20 +82,20 @@ def _pair(params: float | None, sd: float | None, status: str = "converged") -> 
     """One fit's cell: digits of the parameters / of the SDs, and a status other than converged."""
     if params is None or sd is None:
         return "fail"
-    return f"{params:.1f} / {sd:.1f}" + ("" if status == "converged" else f" ({status})")
+    return f"{_digits(params)} / {_digits(sd)}" + ("" if status == "converged" else f" ({status})")
 
 
 def _scipy_reached(r: nist_nonlinear.Row) -> bool:
     return r.scipy_params is not None and min(r.scipy_params, r.scipy_sd or 0.0) >= 6
 
 
-def compact(rows: list[nist_nonlinear.Row]) -> str:
+def compact(rows: list[nist_nonlinear.Row], tol: str) -> str:
     """The README's table: a row per dataset, gridsolve beside curve_fit from both starts."""
     lines = [
-        f"`python benchmarks/nist_nonlinear.py` (xtol = ftol = {nist_nonlinear.TIGHT:g}) on "
+        f"`python benchmarks/nist_nonlinear.py` (xtol = ftol = {tol}) on "
         f"{machine()}, {time.strftime('%Y-%m-%d')}. Each cell: correct significant digits "
-        "(LRE, capped at 15; the minimum over the parameters) of the parameters / of "
-        "their standard deviations; gridsolve's status where it is not `converged`; "
+        "(LRE, capped at 15; the minimum over the parameters; rounded down) of the "
+        "parameters / of their standard deviations; gridsolve's status where it is not `converged`; "
         "`fail`: curve_fit raised.",
         "",
         "| dataset | difficulty | start 1: gridsolve | start 1: curve_fit "

@@ -311,9 +311,9 @@ def fit_pixels(
         with _FIT_LOCK:
             empty = torch.empty((0, n_obs), dtype=torch.float64, device=device)
             return begin(f, t, empty, p0, bounds=bounds).finish(fits.absolute).arrays()
-    jacobians = _compiled(
-        f, t, p0, bounds, config, min(step, n_pix), grid_pixels or n_pix, compile_key
-    )
+    # compiled for whole chunks (every tile of the stage shares one compile; a smaller
+    # tile's batches are padded)
+    jacobians = _compiled(f, t, p0, bounds, config, step, grid_pixels or n_pix, compile_key)
     pool_below = POOL_BELOW if n_pix > step else 0.0  # one chunk: one batch to the end
     for lo in range(0, n_pix, step):
         rows = np.arange(lo, min(lo + step, n_pix))
@@ -363,15 +363,22 @@ def _compiled(
     owner: object = None
     if key is None:  # this very function object, at these values
         owner = f
-        parts = [t, p0, *(bounds or ())]
-        digest = hashlib.sha256(b"".join(x.detach().cpu().numpy().tobytes() for x in parts))
+        digest = hashlib.sha256()
+        for x in (t, p0, *(bounds or ())):
+            digest.update(f"{tuple(x.shape)}{x.dtype}".encode())
+            digest.update(x.detach().cpu().numpy().tobytes())
         key = f"{id(f)}:{digest.hexdigest()[:16]}:{t.device}"
     with _FIT_LOCK:
         one = torch.zeros((1, int(t.shape[0])), dtype=torch.float64, device=t.device)
         prob, u0 = problem(f, t, one, p0, None, None, bounds, "auto")
-        example = u0.expand(rows, -1).clone()
+        # checked at the start and, in half the rows, at points around it (seeded)
+        gen = torch.Generator().manual_seed(0)
+        nudge = 1e-3 * torch.randn((rows, u0.shape[-1]), generator=gen, dtype=torch.float64)
+        nudge[: rows // 2 + 1] = 0.0
+        example = u0 + nudge.to(u0.device) * torch.clamp(u0.abs(), min=1.0)
+        example_p = example if prob.box is None else prob.box.to_external(example)
         return compiled_jacobians(
-            f"{key}:{rows}", owner, prob.jacobian, prob.jacobian_p, example, _log
+            f"{key}:{rows}", owner, prob.jacobian, prob.jacobian_p, example, example_p, _log
         )
 
 
