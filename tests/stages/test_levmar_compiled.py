@@ -169,9 +169,10 @@ def test_the_compiled_jacobians_serve_the_fit_on_padded_batches(
     ("fake", "said"),
     [
         (Counting(wrong=lambda j: j * (1 + 1e-6)), "disagrees with eager beyond the agreement"),
+        (Counting(fail_after=0), "torch.compile of the Jacobian failed, running eager"),
         (Counting(fail_after=8), "failed during the fit, going on eager"),
     ],
-    ids=["disagrees", "fails-later"],
+    ids=["disagrees", "fails-on-its-first-call", "fails-later"],
 )
 def test_a_compiled_jacobian_that_is_wrong_or_fails_leaves_the_fit_eager(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fake: Counting, said: str
