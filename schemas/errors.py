@@ -103,6 +103,13 @@ def _rebuild(
     )
 
 
+def first_line(exc: BaseException) -> str:
+    """``exc`` in one line for a log: its type and the first line of its message."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {line[:300]}"
+
+
 def is_user_error(exc: BaseException) -> bool:
     """Whether ``exc`` is the user's to fix: shown as its message alone, never a traceback."""
     return isinstance(exc, GridsolveError) and not isinstance(exc, StageError)

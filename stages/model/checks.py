@@ -16,7 +16,7 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from gridsolve.schemas.errors import ConfigError, ContractError
+from gridsolve.schemas.errors import ConfigError, ContractError, first_line
 from gridsolve.schemas.kinds.model import ModelConfig
 from gridsolve.schemas.metadata import LoadMeta
 from gridsolve.stages.engine.store import Artifact
@@ -66,12 +66,6 @@ def check_mode(module: nn.Module, config: ModelConfig) -> None:
             found=f"random layer(s) {', '.join(n or '<root>' for n in random)}",
             fix="set model.mode: eval (Dropout is then off, RReLU uses its mean slope)",
         )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else ""
-    return f"{type(exc).__name__}: {line[:300]}"
 
 
 def _vmap_fix(exc: BaseException) -> str:
@@ -155,7 +149,7 @@ def batched_probe(
                 stage=stage,
                 expected="forward written for ONE sample with tensor operations that "
                 "torch.func.vmap batches unchanged",
-                found=_first_line(exc),
+                found=first_line(exc),
                 fix=_vmap_fix(exc),
             ) from exc
         after = _snapshot({"input": x, **{f"buffer {k!r}": v for k, v in b.items()}})

@@ -18,12 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from gridsolve.schemas.errors import first_line
 from gridsolve.stages.engine.agreement import disagreements
 from gridsolve.stages.engine.pyparse import PARSE_LOCK
 from gridsolve.stages.engine.timing import part
-from gridsolve.stages.model.checks import (
-    _first_line,
-)
 from gridsolve.stages.model.chunk_kernel import Kernel
 
 #: ``compile: auto`` compiles for grids of at least this many pixels. Measured on the
@@ -126,7 +124,7 @@ def compiled_kernel(
                 problems += _flag_problems(flags, got)
                 fn = _nan_checked(fn, (params, buffers, x, t), got, problems, logger)
             except Exception as exc:
-                logger.warning("model: torch.compile failed, running eager: %s", _first_line(exc))
+                logger.warning("model: torch.compile failed, running eager: %s", first_line(exc))
             else:
                 if problems:
                     logger.warning(
@@ -168,7 +166,7 @@ def _nan_checked(
         logger.info(
             "model: the model refuses a NaN input (%s): the compiled kernel's outputs are "
             "checked for finite values separately",
-            _first_line(exc),
+            first_line(exc),
         )
 
         def without_flags(*args: Any) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from gridsolve.schemas.artifacts import Tile
 from gridsolve.schemas.contracts import MODEL_STATUS_CODES, MODEL_STATUS_FLAGS, flag_counts
+from gridsolve.schemas.errors import first_line
 from gridsolve.schemas.kinds.model import ModelConfig
 from gridsolve.schemas.metadata import LoadMeta, ModelPrepared
 from gridsolve.stages.engine.blocks import read_block
@@ -19,9 +20,6 @@ from gridsolve.stages.engine.context import chunk_size, resolve_device, work_sha
 from gridsolve.stages.engine.store import Artifact, StageOutput
 from gridsolve.stages.model.building import (
     build_module,
-)
-from gridsolve.stages.model.checks import (
-    _first_line,
 )
 from gridsolve.stages.model.chunk_kernel import Kernel, make_kernel
 from gridsolve.stages.model.compiled import (
@@ -247,7 +245,7 @@ def _run_chunks(
         except Exception as exc:
             if fn is eager:
                 raise
-            logger.warning("model: compiled kernel failed, running eager: %s", _first_line(exc))
+            logger.warning("model: compiled kernel failed, running eager: %s", first_line(exc))
             _forget_compiled(compile_key)
             kernel = eager
             flags = eager(params, buffers, x, t, views)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from gridsolve.schemas.errors import first_line
 from gridsolve.stages.engine.agreement import disagreements
 from gridsolve.stages.engine.pyparse import PARSE_LOCK
 from gridsolve.stages.engine.timing import part
@@ -84,7 +85,7 @@ class FixedRows:
             self.failed[0] = True
             _log.warning(
                 "solve: the compiled Jacobian failed during the fit, going on eager: %s",
-                _first_line(exc),
+                first_line(exc),
             )
             return self.eager(u)
 
@@ -177,7 +178,7 @@ def compiled_jacobians(
             logger.warning(
                 "solve: torch.compile of the Jacobian failed, running eager (to skip the "
                 "attempt: solve.compile: never; compiling needs a C++ compiler, g++): %s",
-                _first_line(exc),
+                first_line(exc),
             )
         else:
             if problems:
@@ -194,11 +195,6 @@ def compiled_jacobians(
         while len(_COMPILED) > _COMPILED_MAX:
             _COMPILED.popitem(last=False)
     return result
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def forget_compiled() -> None:
