@@ -147,9 +147,10 @@ def problem(
     box = None if bounds is None else Box.of(bounds, n_param, b)
     model = f if box is None else (lambda t_, u: f(t_, box.to_external(u)))
     values, jac = _batched(model, t, n_param, how)
-    jac_p = jac if box is None else _batched(f, t, n_param, how)[1]
     if jacobians is not None:
         jac, jac_p = jacobians
+    else:
+        jac_p = jac if box is None else _batched(f, t, n_param, how)[1]
     zero = torch.zeros_like(b)
     prob = Problem(
         values=values,
