@@ -12,8 +12,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from gridsolve.schemas.errors import ConfigError
-from gridsolve.stages.engine.store import Store
+from gridsolve.stages.engine.store import Staging, Store
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +34,19 @@ class StageContext:
     peers: Mapping[str, Any] = field(default_factory=dict)
     #: ``progress(fraction, description)`` for long stages (the flow shows it in Prefect)
     progress: Callable[[float, str], None] | None = None
+    #: where the part being run may fill its outputs in place; set by the runner
+    staging: Staging | None = None
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """An uninitialised array for one of the part's outputs, returned as it is.
+
+        Filled in place in the file the store keeps when the runner stages the
+        part's outputs (no second write of its bytes), else in memory. Only for
+        arrays returned whole, in this shape: any other is stored the usual way.
+        """
+        if self.staging is None:
+            return np.empty(shape, dtype)
+        return self.staging.empty(shape, dtype)
 
     def with_peers(self, peers: Mapping[str, Any]) -> StageContext:
         """The same context, for a stage that reads ``peers``."""

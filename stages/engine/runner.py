@@ -404,12 +404,16 @@ def run_tile(
         inputs = {k: _open(refs[k], ctx.store) for k in reads(decl, refs)}
         prepared_art = ctx.store.get(prepared.key)
     ctx.key = key
-    out = _call(decl, decl.run, config, inputs, prepared_art, tile, ctx, clock=clock)
-    ny, nx = tile.shape
-    with clock.phase("check"):
-        _check(decl, "tile", out, {"y": ny, "x": nx})
-    with clock.phase("store"):
-        art = ctx.store.put(
-            key, out, {**_info(decl, config, refs, "tile"), "tile": list(tile.bounds())}
-        )
+    with ctx.store.staging() as staged:
+        ctx.staging = staged
+        try:
+            out = _call(decl, decl.run, config, inputs, prepared_art, tile, ctx, clock=clock)
+            ny, nx = tile.shape
+            with clock.phase("check"):
+                _check(decl, "tile", out, {"y": ny, "x": nx})
+            with clock.phase("store"):
+                info = {**_info(decl, config, refs, "tile"), "tile": list(tile.bounds())}
+                art = ctx.store.put(key, out, info, staged)
+        finally:
+            ctx.staging = None
     return _result(decl, key, art, ctx.store, t0, False, tile=tile, pixels=tile.pixels, clock=clock)

@@ -16,7 +16,7 @@ from gridsolve.schemas.errors import first_line
 from gridsolve.schemas.kinds.model import ModelConfig
 from gridsolve.schemas.metadata import LoadMeta, ModelPrepared
 from gridsolve.stages.engine.blocks import read_block
-from gridsolve.stages.engine.context import chunk_size, resolve_device, work_share
+from gridsolve.stages.engine.context import StageContext, chunk_size, resolve_device, work_share
 from gridsolve.stages.engine.store import Artifact, StageOutput
 from gridsolve.stages.model.building import (
     build_module,
@@ -89,6 +89,8 @@ class _TileRun:
     src_t: np.ndarray | None  # (n_out, n_run) their target
     dest: dict[str, np.ndarray]  # (*shape, n_run) the outputs of the pixels run
     finite_run: np.ndarray  # (n_run,) the pixel's outputs are all finite
+    #: the arrays the tile returns, (*shape, ny, nx): ``dest``'s own memory when dense
+    out: dict[str, np.ndarray]
 
     @property
     def n_run(self) -> int:
@@ -140,7 +142,11 @@ def _tile_pixels(
 
 
 def _plan_run(
-    config: ModelConfig, inputs: Mapping[str, Artifact], prepared: Artifact, tile: Tile
+    config: ModelConfig,
+    inputs: Mapping[str, Artifact],
+    prepared: Artifact,
+    tile: Tile,
+    ctx: StageContext,
 ) -> _TileRun:
     """The model, the pixels to run and the arrays for their outputs, for one tile."""
     meta = ModelPrepared.of(prepared)
@@ -158,6 +164,12 @@ def _plan_run(
     # (only the valid pixels) and scattered.
     dense = 2 * len(px.ok) >= n_px
     n_run = n_px if dense else len(px.ok)
+    # The returned arrays come from the context: filled where the store keeps them.
+    out = {k: ctx.empty((*s, *tile.shape), np_dtype) for k, s in shapes.items()}
+    if dense:
+        dest = {k: v.reshape(*v.shape[:-2], n_px) for k, v in out.items()}
+    else:
+        dest = {k: np.empty((*s, n_run), np_dtype) for k, s in shapes.items()}
     return _TileRun(
         px=px,
         params=params,
@@ -170,8 +182,9 @@ def _plan_run(
         dense=dense,
         src=px.X if dense else px.X[:, px.ok],
         src_t=px.target if dense or px.target is None else px.target[:, px.ok],
-        dest={k: np.empty((*s, n_run), np_dtype) for k, s in shapes.items()},
+        dest=dest,
         finite_run=np.ones(n_run, bool),
+        out=out,
     )
 
 
@@ -260,34 +273,34 @@ def _run_chunks(
 
 
 def _tile_outputs(run: _TileRun) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Every output at every pixel of the tile, and whether each pixel's outputs are all finite.
+    """Every output of the tile, (…, y, x), and whether each pixel's outputs are all finite.
 
     Pixels without finite coefficients get NaN outputs.
     """
     px = run.px
     n_px = px.X.shape[1]
-    if run.dense:
-        out = run.dest
+    flat = {k: v.reshape(*v.shape[:-2], n_px) for k, v in run.out.items()}
+    if run.dense:  # computed in place: ``dest`` is ``flat``
         finite_out = run.finite_run
         missing = np.flatnonzero(~px.finite_in)
         if len(missing):
-            for arr in out.values():
+            for arr in flat.values():
                 arr[..., missing] = np.nan
     else:
-        out = {k: np.full((*s, n_px), np.nan, run.np_dtype) for k, s in run.shapes.items()}
-        for k, arr in out.items():
+        for k, arr in flat.items():
+            arr[...] = np.nan
             arr[..., px.ok] = run.dest[k]
         finite_out = np.zeros(n_px, bool)
         finite_out[px.ok] = run.finite_run
-    return out, finite_out
+    return run.out, finite_out
 
 
 def _tile_result(px: _Pixels, out: dict[str, np.ndarray], tile: Tile, kernel: str) -> StageOutput:
-    """The tile's arrays in (…, y, x) layout, with its pixel and status counts."""
+    """The tile's arrays, with its pixel and status counts."""
     n_px = px.X.shape[1]
     counts = flag_counts(px.status, MODEL_STATUS_FLAGS)
     ny, nx = tile.shape
-    arrays = {k: v.reshape(*v.shape[:-1], ny, nx) for k, v in out.items()}
+    arrays = dict(out)
     arrays["model_status"] = px.status.reshape(ny, nx)
     return StageOutput(
         arrays=arrays,

@@ -125,7 +125,7 @@ def run_tile(
     """Predictions, per-sample gradients (and Jacobians) and the model status of one tile."""
     if config.jacobian:
         torch_func_ready()
-    run = _plan_run(config, inputs, prepared, tile)
+    run = _plan_run(config, inputs, prepared, tile, ctx)
     kernel, compile_key = _pick_kernel(run, config, inputs, prepared, ctx.logger)
     chunks = {c: _chunk_pixels(config, run, ctx.memory_budget, compiled=c) for c in (False, True)}
     compiled_ran = _run_chunks(run, kernel, chunks, compile_key, ctx.logger)
@@ -136,7 +136,7 @@ def run_tile(
         # predictions and Jacobians do not involve the target and are kept.
         for name, arr in out.items():
             if name.startswith("grad:"):
-                arr[..., px.bad_target] = np.nan
+                arr.reshape(*arr.shape[:-2], -1)[..., px.bad_target] = np.nan  # a view
     px.status[(px.status == MODEL_STATUS_CODES["ok"]) & ~finite_out] = MODEL_STATUS_CODES[
         "output_not_finite"
     ]

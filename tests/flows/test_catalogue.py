@@ -305,6 +305,30 @@ def test_a_folder_that_refuses_files_is_not_reported_as_a_full_disk(
     assert not target.exists()
 
 
+def test_cache_disk_full_during_the_model_stage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tmpfs: Any
+) -> None:
+    # The model stage fills its outputs in mapped files of the cache: on a full disk that
+    # would kill the process (SIGBUS) unless the blocks are reserved first, as they are.
+    small = tmpfs("cache", "3m")
+    if small is None:
+        pytest.skip("needs a small tmpfs (root with CAP_SYS_ADMIN), as CI has")
+    cube = tmp_path / "big.nc"
+    make_ds(n_obs=12, ny=60, nx=60).to_netcdf(cube)  # model outputs: 5.5 MB
+    cfg = base(tmp_path)
+    cfg["load"]["path"] = str(cube)
+    cfg["model"] = {"impl": "multidim_linear", "input_dim": 2, "hidden_dim": 2, "output_dim": 64}
+    cfg["cache"]["root"] = str(small)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    code, err = run_cli(tmp_path / "c.yaml", capsys)
+    assert code == 2 and "Traceback" not in err, err
+    first = [line for line in err.splitlines() if "no space left" in line]
+    assert first and "model" in first[0] and "cache folder" in first[0], err
+    assert "cache.root" in err
+    assert not Path(cfg["write"]["path"]).exists()
+    assert list((small / "tmp").iterdir()) == []  # nothing staged is left behind
+
+
 def test_disk_full_during_write(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], tmpfs: Any
 ) -> None:

@@ -789,3 +789,43 @@ def test_mostly_missing_tile_computes_only_valid_pixels(chain: Chain, write_cube
     assert all(np.isnan(out[k][..., ~keep]).all() for k in out if k != "model_status")
     flat = np.flatnonzero(keep.ravel())
     check_against_oracle(out, build_module(cfg), flat)
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_outputs_are_filled_where_the_store_keeps_them(
+    chain: Chain, write_cube: Any, monkeypatch: pytest.MonkeyPatch, missing: bool
+) -> None:
+    # The per-sample gradients are most of a run's bytes: computed into the files the
+    # store keeps (staged), not into memory and written again, dense tile or mostly missing.
+    from gridsolve.stages.engine.store import Staging
+
+    adopted: list[tuple[str, ...]] = []
+    adopt = Staging.adopt
+
+    def spy(self: Staging, arr: np.ndarray) -> Path | None:
+        found = adopt(self, arr)
+        adopted.append(tuple(arr.shape) if found is not None else ())
+        return found
+
+    monkeypatch.setattr(Staging, "adopt", spy)
+    ds = make_ds(n_obs=12, ny=5, nx=6)
+    if missing:
+        ds["signal"].values[:, 1:, :] = np.nan
+    cfg = MultidimLinearModel(input_dim=2, hidden_dim=3, output_dim=4)
+    out = run_model(chain, write_cube(ds), cfg)
+    # the model tile's four arrays come last; model_status (int8 flags) is made in memory
+    assert sorted(adopted[-4:]) == [(), (2, 3, 4, 5, 6), (4, 5, 6), (4, 5, 6)]
+    # and they are its outputs: against autograd, pixel by pixel (NaN where no coefficients)
+    X = pixels(out["coefficients"]).reshape(-1, 2, 3)
+    gw, gb, pred = (pixels(out[k]) for k in ("grad:weight", "grad:bias", "prediction"))
+    module = build_module(cfg)
+    for p in range(30):
+        if not np.isfinite(X[p]).all():
+            assert np.isnan(gw[p]).all() and np.isnan(gb[p]).all() and np.isnan(pred[p]).all()
+            continue
+        y = module(torch.from_numpy(X[p]))
+        w, b = torch.autograd.grad(y.sum(), [module.weight, module.bias])
+        np.testing.assert_allclose(gw[p], w.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(gb[p], b.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(pred[p], y.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert np.isnan(X).any() == missing

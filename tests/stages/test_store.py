@@ -11,6 +11,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -171,3 +172,78 @@ def test_a_thread_holding_the_parse_lock_may_read_an_array(store: Store) -> None
     worker.join(10)
     assert not worker.is_alive(), "a read under the parse lock waited for itself"
     np.testing.assert_array_equal(done[0], np.arange(6.0).reshape(2, 3))
+
+
+def _staged_output(staged: Any) -> tuple[StageOutput, dict[str, np.ndarray]]:
+    """Arrays filled in place (staged), a view of one of them, and one made in memory."""
+    a = staged.empty((3, 4, 5), np.float32)
+    a[...] = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
+    b = staged.empty((4, 5), np.int8)
+    b[...] = 7
+    c = staged.empty((2, 10), np.float64)
+    c[...] = np.linspace(0, 1, 20).reshape(2, 10)
+    arrays = {
+        "a": a,  # whole: moved in as it is
+        "b": b,
+        "c_view": c.reshape(4, 5),  # another shape: written the usual way
+        "d": np.ones(3),  # made in memory
+    }
+    expected = {k: np.array(v) for k, v in arrays.items()}
+    return StageOutput(arrays=arrays, meta={"m": 1}), expected
+
+
+def test_staged_outputs_are_stored_byte_for_byte_as_written_ones(tmp_path: Path) -> None:
+    staged_store, written_store = Store(tmp_path / "s"), Store(tmp_path / "w")
+    with staged_store.staging() as staged:
+        out, expected = _staged_output(staged)
+        assert isinstance(out.arrays["a"], np.memmap)  # really in a file of the store
+        art = staged_store.put(KEY, out, {"kind": "t"}, staged)
+        assert list(staged.folder.iterdir()) == [staged.folder / "s2.npy"]  # c, not adopted
+    assert not staged.folder.exists()
+    plain = written_store.put(KEY, StageOutput(arrays=expected, meta={"m": 1}), {"kind": "t"})
+    assert art._files == plain._files  # names, sizes, checksums, dtypes, shapes
+    for name in ("a0.npy", "a1.npy", "a2.npy", "a3.npy"):
+        assert (art.path / name).read_bytes() == (plain.path / name).read_bytes()
+    Store._verified.clear()  # a new process checks the checksums against the bytes
+    assert staged_store.check(KEY) == ("hit", "")
+    for name, want in expected.items():
+        np.testing.assert_array_equal(art.array(name), want)
+
+
+def test_a_failed_part_leaves_no_staged_file(store: Store) -> None:
+    with pytest.raises(RuntimeError), store.staging() as staged:
+        staged.empty((1000,), np.float64)[:] = 1.0
+        raise RuntimeError("the stage failed")
+    assert list((store.root / "tmp").iterdir()) == []
+    assert store.check(KEY)[0] == "miss"
+
+
+def test_a_full_cache_disk_is_a_clear_error_before_anything_is_written(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Writing through a mapping into blocks the disk does not have kills the process
+    # (SIGBUS): the blocks are reserved first, and a full disk says so.
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with store.staging() as staged:
+        with pytest.raises(StoreError, match="no space left in the cache folder") as err:
+            staged.empty((1000,), np.float64)
+        assert "cache.root" in (err.value.fix or "")
+        assert list(staged.folder.iterdir()) == []
+
+
+def test_a_disk_without_mappings_keeps_outputs_in_memory(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    with store.staging() as staged:
+        a = staged.empty((4, 5), np.float32)
+        assert not isinstance(a, np.memmap)
+        a[...] = 2.0
+        art = store.put(KEY, StageOutput(arrays={"a": a}, meta={}), {}, staged)
+    np.testing.assert_array_equal(art.array("a"), np.full((4, 5), 2.0, np.float32))
