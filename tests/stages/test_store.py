@@ -247,3 +247,23 @@ def test_a_disk_without_mappings_keeps_outputs_in_memory(
         a[...] = 2.0
         art = store.put(KEY, StageOutput(arrays={"a": a}, meta={}), {}, staged)
     np.testing.assert_array_equal(art.array("a"), np.full((4, 5), 2.0, np.float32))
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or tuple(map(int, os.uname().release.split(".")[:2])) < (5, 14),
+    reason="MADV_POPULATE_WRITE is Linux 5.14+",
+)
+def test_staged_pages_are_mapped_in_at_once_without_holding_the_gil(tmp_path: Path) -> None:
+    from gridsolve.stages.engine.store import Staging, _populate
+
+    arr = Staging(tmp_path).empty((64, 1024), np.float64)
+    assert isinstance(arr, np.memmap)
+    assert _populate(arr)  # page-aligned start and length: the kernel took it
+    # ctypes lets other threads run during the call (mmap.madvise holds the GIL)
+    import ctypes
+
+    from gridsolve.stages.engine.store import _madvise
+
+    assert isinstance(_madvise(), ctypes._CFuncPtr)
+    arr[...] = 1.5
+    assert float(arr.sum()) == 1.5 * arr.size
