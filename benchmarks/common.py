@@ -63,7 +63,9 @@ def machine() -> str:
     return (
         f"{platform.machine()} · {cpu_model()} · {os.cpu_count()} CPUs · "
         f"torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads) · numpy {np.__version__} · "
+        f"({torch.get_num_threads()} threads"
+        f"{', MKL_CBWR=' + os.environ['MKL_CBWR'] if os.environ.get('MKL_CBWR') else ''}) · "
+        f"numpy {np.__version__} · "
         f"cuda {'yes: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no'}"
     )
 

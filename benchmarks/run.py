@@ -8,6 +8,8 @@ the other (the machine has 2 cores: never two at once), keeps each full output u
 
 Usage: python benchmarks/run.py [solve] [model] [pipeline] [train] [cluster] [e2e] [curvefit]
        [--out FOLDER] [--readme]  (--readme: write the table into README.md, too)
+       [--mkl-path AVX2|AVX512|COMPATIBLE]  (torch's MKL code path of another CPU: sets
+       MKL_CBWR for every benchmark, as the machine line then says)
        (no names: all of them; peers come from the ``bench`` extra:
        pip install -e '.[bench]')
 """
@@ -15,6 +17,7 @@ Usage: python benchmarks/run.py [solve] [model] [pipeline] [train] [cluster] [e2
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -55,7 +58,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also write the table into README.md between its benchmark markers",
     )
+    p.add_argument(
+        "--mkl-path",
+        choices=("AVX2", "AVX512", "COMPATIBLE"),
+        help="run torch's MKL on this code path (MKL_CBWR), as on a CPU that has only it",
+    )
     args = p.parse_args(argv)
+    if args.mkl_path:
+        if args.readme:
+            p.error("--readme takes the table of the host's own code path: leave out --mkl-path")
+        os.environ["MKL_CBWR"] = args.mkl_path  # the benchmarks' processes inherit it
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
         p.error(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
