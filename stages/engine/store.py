@@ -23,10 +23,12 @@ import contextlib
 import ctypes
 import errno
 import functools
+import itertools
 import json
 import logging
 import mmap
 import os
+import re
 import shutil
 import sys
 import threading
@@ -183,13 +185,52 @@ def _populate(arr: np.memmap) -> bool:
     return bool(madvise(arr.ctypes.data - lead, arr.nbytes + lead, _MADV_POPULATE_WRITE) == 0)
 
 
+#: File systems on which posix_fallocate reserves the blocks that writes through a
+#: mapping then fill. Elsewhere (copy-on-write ZFS, glibc's emulation, NFS, whose write
+#: errors surface only at close) a full disk during such a write would kill the process
+#: (SIGBUS) or go unseen: outputs are made in memory and written the usual way.
+_RESERVING_FILE_SYSTEMS = frozenset({"ext4", "xfs", "tmpfs"})
+
+
+@functools.cache
+def _file_system(folder: str) -> str:
+    """The type of the file system holding ``folder`` ("" where unknown)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    best, kind = "", ""
+    for line in lines:
+        head, _, tail = line.partition(" - ")
+        fields = head.split()
+        if len(fields) < 5 or not tail:
+            continue
+        # mount points escape spaces and the like as octal: \040
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+        inside = folder == point or folder.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, tail.split()[0]
+    return kind
+
+
+def _reserves_blocks(folder: Path) -> bool:
+    """Whether output files in ``folder`` can be filled through a mapping safely."""
+    return (
+        hasattr(os, "posix_fallocate")
+        and _file_system(os.path.realpath(folder)) in _RESERVING_FILE_SYSTEMS
+    )
+
+
 class Staging:
     """Output arrays that a stage part fills where the store keeps them.
 
     :meth:`empty` gives an array mapped onto a new ``.npy`` file in the store's
     scratch space; :meth:`Store.put` moves such a file into the artifact as it
     is instead of writing the array's bytes again. Filling the array is
-    storing it: no second copy in memory, no second pass over the bytes. On
+    storing it: no second copy in memory (the checksum is taken from the
+    mapping). Only on local file systems that reserve blocks (ext4, xfs,
+    tmpfs); elsewhere :meth:`empty` is ``numpy.empty``. On
     the benchmark host a fresh process put 408 MB into 4 new files in a median
     0.12-0.2 s this way, against 0.8-1.6 s made in memory and then written
     (``docs/benchmarks.md``).
@@ -200,8 +241,11 @@ class Staging:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        #: the arrays handed out, by (address, shape, dtype): held so the mapping stays valid
-        self._files: dict[tuple[int, tuple[int, ...], str], tuple[Path, np.ndarray]] = {}
+        self._mapped = _reserves_blocks(folder.parent)  # the store's tmp: one lookup
+        self._names = itertools.count()
+        #: the arrays handed out, by (address, shape): the file, its header's length and
+        #: the array itself (held so the mapping stays valid and the address unique)
+        self._files: dict[tuple[int, tuple[int, ...]], tuple[Path, int, np.ndarray]] = {}
 
     def empty(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
         """An uninitialised array of ``shape`` and ``dtype``, ready to be stored as it is.
@@ -212,9 +256,9 @@ class Staging:
         dt = np.dtype(dtype)
         shape = tuple(int(n) for n in shape)
         nbytes = int(np.prod(shape)) * dt.itemsize
-        if nbytes == 0 or not dt.isnative or dt.hasobject:
+        if not self._mapped or nbytes == 0 or not dt.isnative or dt.hasobject:
             return np.empty(shape, dt)
-        path = self.folder / f"s{len(self._files)}.npy"
+        path = self.folder / f"s{next(self._names)}.npy"
         header = {"descr": np.lib.format.dtype_to_descr(dt), "fortran_order": False, "shape": shape}
         try:
             with open(path, "wb") as f:
@@ -236,15 +280,29 @@ class Staging:
             log.debug("staging %s: %s; kept in memory instead", path, exc)
             return np.empty(shape, dt)
         _populate(arr)
-        self._files[(arr.ctypes.data, shape, dt.str)] = (path, arr)
+        self._files[(arr.ctypes.data, shape)] = (path, offset, arr)
         return arr
 
-    def adopt(self, arr: np.ndarray) -> Path | None:
-        """The staged file that holds exactly ``arr`` (taken off the list), or None."""
+    def adopt(self, arr: Any) -> tuple[Path, int, str] | None:
+        """The staged file that holds exactly ``arr``, its size and xxh3 checksum; else None.
+
+        An adopted file is taken off the list: it can be adopted once.
+        """
         if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or arr.size == 0:
             return None
-        found = self._files.pop((arr.ctypes.data, tuple(arr.shape), arr.dtype.str), None)
-        return None if found is None else found[0]
+        key = (arr.ctypes.data, tuple(arr.shape))
+        found = self._files.get(key)
+        # the same dtype object, not only its size: a view as another structured dtype
+        # would keep the file's header of the first
+        if found is None or found[2].dtype != arr.dtype:
+            return None
+        del self._files[key]
+        path, offset, mapped = found
+        h = xxhash.xxh3_128()
+        with open(path, "rb") as f:
+            h.update(f.read(offset))  # the header, as written
+        h.update(mapped.reshape(-1).view(np.uint8).data)  # the data, from the page cache
+        return path, offset + mapped.nbytes, h.hexdigest()
 
     def release(self) -> None:
         """Forget the arrays handed out (their files go with the scratch folder)."""
@@ -493,8 +551,8 @@ class Store:
                     ready = None if staged is None else staged.adopt(arr)
                     arr = np.asarray(arr)
                     if ready is not None:
-                        os.rename(ready, tmp / fname)
-                        size, digest = (tmp / fname).stat().st_size, hash_file(tmp / fname)
+                        src, size, digest = ready
+                        os.rename(src, tmp / fname)
                     else:
                         with open(tmp / fname, "wb") as f:
                             w = _write_npy(f, arr)
@@ -519,7 +577,7 @@ class Store:
                 if self._publish(tmp, final, key):
                     self._remember(final, files)
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreError(
                     f"no space left in the cache folder {self.root}",
                     fix="free disk space or point cache.root at a larger disk",

@@ -136,7 +136,7 @@ def run_tile(
         # predictions and Jacobians do not involve the target and are kept.
         for name, arr in out.items():
             if name.startswith("grad:"):
-                arr.reshape(*arr.shape[:-2], -1)[..., px.bad_target] = np.nan  # a view
+                arr.reshape(*arr.shape[:-2], px.X.shape[1])[..., px.bad_target] = np.nan  # a view
     px.status[(px.status == MODEL_STATUS_CODES["ok"]) & ~finite_out] = MODEL_STATUS_CODES[
         "output_not_finite"
     ]

@@ -226,7 +226,7 @@ def test_a_full_cache_disk_is_a_clear_error_before_anything_is_written(
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
     with store.staging() as staged:
         with pytest.raises(StoreError, match="no space left in the cache folder") as err:
             staged.empty((1000,), np.float64)
@@ -240,7 +240,7 @@ def test_a_disk_without_mappings_keeps_outputs_in_memory(
     def unsupported(fd: int, offset: int, length: int) -> None:
         raise OSError(95, "Operation not supported")
 
-    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    monkeypatch.setattr(os, "posix_fallocate", unsupported, raising=False)
     with store.staging() as staged:
         a = staged.empty((4, 5), np.float32)
         assert not isinstance(a, np.memmap)
@@ -253,10 +253,11 @@ def test_a_disk_without_mappings_keeps_outputs_in_memory(
     sys.platform != "linux" or tuple(map(int, os.uname().release.split(".")[:2])) < (5, 14),
     reason="MADV_POPULATE_WRITE is Linux 5.14+",
 )
-def test_staged_pages_are_mapped_in_at_once_without_holding_the_gil(tmp_path: Path) -> None:
+def test_staged_pages_are_mapped_in_at_once_through_ctypes(tmp_path: Path) -> None:
     from gridsolve.stages.engine.store import Staging, _populate
 
-    arr = Staging(tmp_path).empty((64, 1024), np.float64)
+    (tmp_path / "s").mkdir()
+    arr = Staging(tmp_path / "s").empty((64, 1024), np.float64)
     assert isinstance(arr, np.memmap)
     assert _populate(arr)  # page-aligned start and length: the kernel took it
     # ctypes lets other threads run during the call (mmap.madvise holds the GIL)
@@ -267,3 +268,37 @@ def test_staged_pages_are_mapped_in_at_once_without_holding_the_gil(tmp_path: Pa
     assert isinstance(_madvise(), ctypes._CFuncPtr)
     arr[...] = 1.5
     assert float(arr.sum()) == 1.5 * arr.size
+
+
+def test_only_the_very_array_staged_is_adopted(store: Store) -> None:
+    pair = np.dtype([("a", "<f4"), ("b", "<f4")])
+    other = np.dtype([("x", "<i4"), ("y", "<i4")])  # the same size: '|V8' both
+    with store.staging() as staged:
+        a = staged.empty((3, 4), pair)
+        a[...] = 0
+        b = staged.empty((5,), np.float64)
+        b[...] = 1.0
+        assert staged.adopt(a.view(other)) is None  # another dtype: np.save's header differs
+        assert staged.adopt(b[1:]) is None  # part of it
+        assert staged.adopt(b.reshape(5, 1)) is None  # another shape
+        assert staged.adopt(np.ones(5)) is None  # made in memory
+        found = staged.adopt(b)
+        assert found is not None and found[1] == found[0].stat().st_size
+        assert staged.adopt(b) is None  # once
+        c = staged.empty((5,), np.float64)  # a name of its own after an adoption
+        assert c.filename != b.filename
+
+
+def test_a_cache_on_a_file_system_that_may_not_reserve_blocks_is_written_as_before(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NFS, ZFS: writing through a mapping could fail unseen or kill the process
+    from gridsolve.stages.engine import store as store_module
+
+    monkeypatch.setattr(store_module, "_RESERVING_FILE_SYSTEMS", frozenset())
+    with store.staging() as staged:
+        a = staged.empty((4, 5), np.float32)
+        assert not isinstance(a, np.memmap)
+        a[...] = 3.0
+        art = store.put(KEY, StageOutput(arrays={"a": a}, meta={}), {}, staged)
+    np.testing.assert_array_equal(art.array("a"), np.full((4, 5), 3.0, np.float32))
