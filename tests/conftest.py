@@ -71,6 +71,20 @@ def store(tmp_path: Path) -> Any:
 
 
 @pytest.fixture
+def mappable_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``tmp_path``, with the store's staging on whatever file system holds it.
+
+    Staging's own safety rule maps output files only on ext4, xfs and tmpfs; a test of
+    the mechanism must not depend on the file system the machine's /tmp is on.
+    """
+    from gridsolve.stages.engine import store
+
+    kind = store._file_system(os.path.realpath(tmp_path))
+    monkeypatch.setattr(store, "_RESERVING_FILE_SYSTEMS", frozenset({kind}))
+    return tmp_path
+
+
+@pytest.fixture
 def ctx(store: Any) -> Any:
     from gridsolve.stages.engine.context import StageContext
 

@@ -149,6 +149,14 @@ def _write_npy(f: BinaryIO, arr: np.ndarray) -> _HashingWriter:
     return w
 
 
+def _cache_full(root: Path, what: str = "") -> StoreError:
+    """The error for a cache folder whose disk has no room (for ``what``)."""
+    return StoreError(
+        f"no space left in the cache folder {root}{what}",
+        fix="free disk space or point cache.root at a larger disk",
+    )
+
+
 #: Linux's madvise(MADV_POPULATE_WRITE) (5.14+).
 _MADV_POPULATE_WRITE = 23
 
@@ -272,11 +280,8 @@ class Staging:
             with contextlib.suppress(OSError):
                 path.unlink()
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StoreError(
-                    f"no space left in the cache folder {self.folder.parent.parent} "
-                    f"for an output of {nbytes:,} bytes",
-                    fix="free disk space or point cache.root at a larger disk",
-                ) from exc
+                root = self.folder.parent.parent  # <root>/tmp/<scratch>
+                raise _cache_full(root, f" for an output of {nbytes:,} bytes") from exc
             log.debug("staging %s: %s; kept in memory instead", path, exc)
             return np.empty(shape, dt)
         _populate(arr)
@@ -578,10 +583,7 @@ class Store:
                     self._remember(final, files)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StoreError(
-                    f"no space left in the cache folder {self.root}",
-                    fix="free disk space or point cache.root at a larger disk",
-                ) from exc
+                raise _cache_full(self.root) from exc
             raise StoreError(
                 f"cannot write to the cache folder {self.root}: {exc}",
                 fix="check cache.root is writable",

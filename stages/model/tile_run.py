@@ -93,6 +93,12 @@ class _TileRun:
     out: dict[str, np.ndarray]
 
     @property
+    def flat(self) -> dict[str, np.ndarray]:
+        """``out`` pixel-last, (*shape, n_px): views of the same memory."""
+        n_px = self.px.X.shape[1]
+        return {k: v.reshape(*v.shape[:-2], n_px) for k, v in self.out.items()}
+
+    @property
     def n_run(self) -> int:
         """How many pixels are run."""
         return int(self.src.shape[1])
@@ -164,13 +170,7 @@ def _plan_run(
     # (only the valid pixels) and scattered.
     dense = 2 * len(px.ok) >= n_px
     n_run = n_px if dense else len(px.ok)
-    # The returned arrays come from the context: filled where the store keeps them.
-    out = {k: ctx.empty((*s, *tile.shape), np_dtype) for k, s in shapes.items()}
-    if dense:
-        dest = {k: v.reshape(*v.shape[:-2], n_px) for k, v in out.items()}
-    else:
-        dest = {k: np.empty((*s, n_run), np_dtype) for k, s in shapes.items()}
-    return _TileRun(
+    run = _TileRun(
         px=px,
         params=params,
         buffers=buffers,
@@ -182,10 +182,16 @@ def _plan_run(
         dense=dense,
         src=px.X if dense else px.X[:, px.ok],
         src_t=px.target if dense or px.target is None else px.target[:, px.ok],
-        dest=dest,
+        dest={},
         finite_run=np.ones(n_run, bool),
-        out=out,
+        # The returned arrays come from the context: filled where the store keeps them.
+        out={k: ctx.empty((*s, *tile.shape), np_dtype) for k, s in shapes.items()},
     )
+    if dense:  # computed in place in the returned arrays
+        run.dest = run.flat
+    else:  # compacted, scattered after
+        run.dest = {k: np.empty((*s, n_run), np_dtype) for k, s in shapes.items()}
+    return run
 
 
 def _chunk_pixels(config: ModelConfig, run: _TileRun, memory_budget: int, compiled: bool) -> int:
@@ -279,15 +285,14 @@ def _tile_outputs(run: _TileRun) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """
     px = run.px
     n_px = px.X.shape[1]
-    flat = {k: v.reshape(*v.shape[:-2], n_px) for k, v in run.out.items()}
     if run.dense:  # computed in place: ``dest`` is ``flat``
         finite_out = run.finite_run
         missing = np.flatnonzero(~px.finite_in)
         if len(missing):
-            for arr in flat.values():
+            for arr in run.dest.values():
                 arr[..., missing] = np.nan
     else:
-        for k, arr in flat.items():
+        for k, arr in run.flat.items():
             arr[...] = np.nan
             arr[..., px.ok] = run.dest[k]
         finite_out = np.zeros(n_px, bool)

@@ -134,9 +134,9 @@ def run_tile(
     if px.bad_target.any():
         # A non-finite target has no meaningful gradient (it would be NaN or ±inf anyway);
         # predictions and Jacobians do not involve the target and are kept.
-        for name, arr in out.items():
+        for name, arr in run.flat.items():
             if name.startswith("grad:"):
-                arr.reshape(*arr.shape[:-2], px.X.shape[1])[..., px.bad_target] = np.nan  # a view
+                arr[..., px.bad_target] = np.nan
     px.status[(px.status == MODEL_STATUS_CODES["ok"]) & ~finite_out] = MODEL_STATUS_CODES[
         "output_not_finite"
     ]

@@ -793,7 +793,11 @@ def test_mostly_missing_tile_computes_only_valid_pixels(chain: Chain, write_cube
 
 @pytest.mark.parametrize("missing", [False, True])
 def test_outputs_are_filled_where_the_store_keeps_them(
-    chain: Chain, write_cube: Any, monkeypatch: pytest.MonkeyPatch, missing: bool
+    mappable_tmp: Path,
+    chain: Chain,
+    write_cube: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    missing: bool,
 ) -> None:
     # The per-sample gradients are most of a run's bytes: computed into the files the
     # store keeps (staged), not into memory and written again, dense tile or mostly missing.

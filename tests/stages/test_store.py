@@ -192,7 +192,8 @@ def _staged_output(staged: Any) -> tuple[StageOutput, dict[str, np.ndarray]]:
     return StageOutput(arrays=arrays, meta={"m": 1}), expected
 
 
-def test_staged_outputs_are_stored_byte_for_byte_as_written_ones(tmp_path: Path) -> None:
+def test_staged_outputs_are_stored_byte_for_byte_as_written_ones(mappable_tmp: Path) -> None:
+    tmp_path = mappable_tmp
     staged_store, written_store = Store(tmp_path / "s"), Store(tmp_path / "w")
     with staged_store.staging() as staged:
         out, expected = _staged_output(staged)
@@ -219,7 +220,7 @@ def test_a_failed_part_leaves_no_staged_file(store: Store) -> None:
 
 
 def test_a_full_cache_disk_is_a_clear_error_before_anything_is_written(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    mappable_tmp: Path, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Writing through a mapping into blocks the disk does not have kills the process
     # (SIGBUS): the blocks are reserved first, and a full disk says so.
@@ -234,26 +235,12 @@ def test_a_full_cache_disk_is_a_clear_error_before_anything_is_written(
         assert list(staged.folder.iterdir()) == []
 
 
-def test_a_disk_without_mappings_keeps_outputs_in_memory(
-    store: Store, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def unsupported(fd: int, offset: int, length: int) -> None:
-        raise OSError(95, "Operation not supported")
-
-    monkeypatch.setattr(os, "posix_fallocate", unsupported, raising=False)
-    with store.staging() as staged:
-        a = staged.empty((4, 5), np.float32)
-        assert not isinstance(a, np.memmap)
-        a[...] = 2.0
-        art = store.put(KEY, StageOutput(arrays={"a": a}, meta={}), {}, staged)
-    np.testing.assert_array_equal(art.array("a"), np.full((4, 5), 2.0, np.float32))
-
-
 @pytest.mark.skipif(
     sys.platform != "linux" or tuple(map(int, os.uname().release.split(".")[:2])) < (5, 14),
     reason="MADV_POPULATE_WRITE is Linux 5.14+",
 )
-def test_staged_pages_are_mapped_in_at_once_through_ctypes(tmp_path: Path) -> None:
+def test_staged_pages_are_mapped_in_at_once_through_ctypes(mappable_tmp: Path) -> None:
+    tmp_path = mappable_tmp
     from gridsolve.stages.engine.store import Staging, _populate
 
     (tmp_path / "s").mkdir()
@@ -270,7 +257,7 @@ def test_staged_pages_are_mapped_in_at_once_through_ctypes(tmp_path: Path) -> No
     assert float(arr.sum()) == 1.5 * arr.size
 
 
-def test_only_the_very_array_staged_is_adopted(store: Store) -> None:
+def test_only_the_very_array_staged_is_adopted(mappable_tmp: Path, store: Store) -> None:
     pair = np.dtype([("a", "<f4"), ("b", "<f4")])
     other = np.dtype([("x", "<i4"), ("y", "<i4")])  # the same size: '|V8' both
     with store.staging() as staged:
@@ -289,13 +276,24 @@ def test_only_the_very_array_staged_is_adopted(store: Store) -> None:
         assert c.filename != b.filename
 
 
-def test_a_cache_on_a_file_system_that_may_not_reserve_blocks_is_written_as_before(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+def _fallocate_unsupported(fd: int, offset: int, length: int) -> None:
+    raise OSError(95, "Operation not supported")
+
+
+@pytest.mark.parametrize("why", ["no fallocate", "fallocate refused", "other file system"])
+def test_where_files_cannot_be_filled_through_a_mapping_outputs_are_written_as_before(
+    mappable_tmp: Path, store: Store, monkeypatch: pytest.MonkeyPatch, why: str
 ) -> None:
-    # NFS, ZFS: writing through a mapping could fail unseen or kill the process
+    # macOS has no posix_fallocate; NFS, ZFS may not reserve blocks, where writing
+    # through a mapping could fail unseen or kill the process
     from gridsolve.stages.engine import store as store_module
 
-    monkeypatch.setattr(store_module, "_RESERVING_FILE_SYSTEMS", frozenset())
+    if why == "no fallocate":
+        monkeypatch.delattr(os, "posix_fallocate", raising=False)
+    elif why == "fallocate refused":
+        monkeypatch.setattr(os, "posix_fallocate", _fallocate_unsupported, raising=False)
+    else:
+        monkeypatch.setattr(store_module, "_RESERVING_FILE_SYSTEMS", frozenset())
     with store.staging() as staged:
         a = staged.empty((4, 5), np.float32)
         assert not isinstance(a, np.memmap)
