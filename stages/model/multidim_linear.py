@@ -9,6 +9,7 @@ those names (otherwise ``<param>_d0``, …).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import ClassVar
 
 import torch
@@ -37,3 +38,17 @@ class MultidimLinear(nn.Module):
         """Outputs (output_dim,) of one sample."""
         out: torch.Tensor = torch.tensordot(x, self.weight, dims=2) + self.bias
         return out
+
+    def per_sample_parameter_gradients(
+        self, x: torch.Tensor, dl: torch.Tensor, out: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Each sample's gradient of Σ_k dl_k·y_k with respect to weight and bias, into ``out``.
+
+        Samples are the last dim of every array (the stored layout): ``x``
+        (input_dim·hidden_dim, m), ``dl`` (output_dim, m), ``out["weight"]``
+        (input_dim, hidden_dim, output_dim, m) and ``out["bias"]`` (output_dim, m).
+        """
+        i, h, o = self.weight.shape
+        m = x.shape[-1]
+        torch.mul(x.reshape(i, h, 1, m), dl.reshape(1, 1, o, m), out=out["weight"])
+        out["bias"].copy_(dl)

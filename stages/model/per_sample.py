@@ -31,19 +31,18 @@ from torch.func import functional_call, grad, jacrev, vjp, vmap
 
 from gridsolve.schemas.kinds.model import ModelConfig
 from gridsolve.stages.engine.timing import torch_func_ready
+from gridsolve.stages.model.multidim_linear import MultidimLinear
 
 log = logging.getLogger("gridsolve")
 
 
-def _per_sample_fns(
+def _single_sample_fns(
     module: nn.Module, config: ModelConfig
-) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any] | None]:
-    """(outputs, gradients, jacobians) functions of (params, buffers, x[, target]), vmapped.
-
-    The gradients function returns ``(gradients, outputs)``: the outputs come
-    from the same forward pass. Only the parameters (and the input) are
-    differentiated; buffers are constants.
-    """
+) -> tuple[
+    Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
+    Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+]:
+    """One sample's flat outputs, ``f(params, buffers, x)``, and its objective, ``loss(y, t)``."""
 
     def f(
         params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: torch.Tensor
@@ -56,6 +55,20 @@ def _per_sample_fns(
             assert t is not None
             return ((y - t) ** 2).mean()
         return y.sum()
+
+    return f, loss
+
+
+def _per_sample_fns(
+    module: nn.Module, config: ModelConfig
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any] | None]:
+    """(outputs, gradients, jacobians) functions of (params, buffers, x[, target]), vmapped.
+
+    The gradients function returns ``(gradients, outputs)``: the outputs come
+    from the same forward pass. Only the parameters (and the input) are
+    differentiated; buffers are constants.
+    """
+    f, loss = _single_sample_fns(module, config)
 
     def gradients(
         params: dict[str, torch.Tensor],
@@ -140,6 +153,65 @@ def _expanded_gradients(
         return (by_param if config.wrt == "params" else (by_param, found[-1])), y.detach()
 
     return expanded
+
+
+#: (params, buffers, x pixel-first (m, *input), x pixel-last (coef, m), target pixel-first or
+#: None, outputs pixel-last) → None: writes ``prediction`` and every ``grad:<param>``.
+ClosedForm = Callable[
+    [
+        dict[str, torch.Tensor],
+        dict[str, torch.Tensor],
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor | None,
+        dict[str, torch.Tensor],
+    ],
+    None,
+]
+
+
+def _closed_form(module: nn.Module, config: ModelConfig) -> ClosedForm | None:
+    """Outputs and per-sample parameter gradients by the model's own closed form, if it has one.
+
+    Only gridsolve's own models have one (``MultidimLinear``: the gradient of
+    Σ_k dl_k·y_k with respect to the weight is x ⊗ dl, and dl for the bias),
+    and only for gradients with respect to the parameters: a user's module,
+    or a subclass that may change the forward, takes autograd. The outputs and
+    d loss/d y come from the very operations the autograd route runs, and the
+    rule's products are the single multiplications autograd's batched products
+    make, so the values are the same bits; the rule writes each pixel's
+    gradient straight into the stored (pixel-last) layout, where autograd's
+    come pixel-first through batched products with an inner size of 1 and are
+    then transposed (10×10×4 model, 62,500 pixels, one thread: 0.041 s against
+    0.133 s).
+    """
+    if type(module) is not MultidimLinear or config.wrt != "params":
+        return None
+    rule = module.per_sample_parameter_gradients
+    f, loss = _single_sample_fns(module, config)
+    forward = vmap(f, in_dims=(0, None, 0))
+    losses = vmap(loss, in_dims=(0, 0 if config.objective == "mse" else None))
+
+    def closed(
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        xs: torch.Tensor,
+        x: torch.Tensor,
+        t: torch.Tensor | None,
+        outputs: dict[str, torch.Tensor],
+    ) -> None:
+        n = xs.shape[0]
+        # the forward over per-pixel stride-0 copies, as _expanded_gradients runs it
+        p_in = {k: v.detach().expand(n, *v.shape) for k, v in params.items()}
+        with torch.no_grad():
+            y = forward(p_in, buffers, xs)
+        with torch.enable_grad():
+            y_d = y.detach().requires_grad_()
+            (dl,) = torch.autograd.grad(losses(y_d, t).sum(), y_d)
+        outputs["prediction"].copy_(y.t())
+        rule(x, dl.t(), {k: outputs[f"grad:{k}"] for k in params})
+
+    return closed
 
 
 def _eager_or_vjp(expanded: Gradients, vjp_grads: Gradients) -> Gradients:

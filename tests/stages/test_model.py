@@ -833,3 +833,76 @@ def test_outputs_are_filled_where_the_store_keeps_them(
         np.testing.assert_allclose(gb[p], b.numpy(), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(pred[p], y.detach().numpy(), rtol=1e-5, atol=1e-6)
     assert np.isnan(X).any() == missing
+
+
+class _ReweightedLinear(MultidimLinear):
+    """A user's subclass that changes the forward: the closed form no longer holds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(x))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("objective", ["sum", "mse"])
+def test_closed_form_gradients_equal_the_autograd_route(
+    objective: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gridsolve.stages.model import chunk_kernel
+    from gridsolve.stages.model.per_sample import _closed_form
+
+    cfg = MultidimLinearModel(
+        input_dim=3, hidden_dim=2, output_dim=4, objective=objective, dtype=dtype
+    )
+    module = build_module(cfg).to(getattr(torch, dtype))
+    assert _closed_form(module, cfg) is not None
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 50, generator=gen, dtype=module.weight.dtype)  # (coef, m) pixel-last
+    t = torch.randn(4, 50, generator=gen, dtype=x.dtype) if objective == "mse" else None
+
+    def outputs() -> dict[str, torch.Tensor]:
+        # slices of wider arrays, as the tile's chunks are
+        shapes = {"prediction": (4,), "grad:weight": (3, 2, 4), "grad:bias": (4,)}
+        return {
+            k: torch.full((*s, 70), np.nan, dtype=x.dtype)[..., 10:60] for k, s in shapes.items()
+        }
+
+    closed_out = outputs()
+    chunk_kernel.make_kernel(module, cfg, (3, 2))(params, {}, x[:, :], t, closed_out)
+    monkeypatch.setattr(chunk_kernel, "_closed_form", lambda *a: None)
+    autograd_out = outputs()
+    chunk_kernel.make_kernel(module, cfg, (3, 2))(params, {}, x, t, autograd_out)
+    for k in closed_out:
+        # the same operations up to d loss/d y, then one exact product per element
+        torch.testing.assert_close(closed_out[k], autograd_out[k], rtol=0, atol=0)
+    if objective == "sum":  # each pixel's weight gradient is its input, for every output
+        torch.testing.assert_close(
+            closed_out["grad:weight"], x.reshape(3, 2, 1, 50).expand(3, 2, 4, 50), rtol=0, atol=0
+        )
+
+
+def test_closed_form_only_for_gridsolves_own_model_and_parameter_gradients() -> None:
+    from gridsolve.stages.model.per_sample import _closed_form
+
+    cfg = MultidimLinearModel(input_dim=3, hidden_dim=2, output_dim=4)
+    assert _closed_form(_ReweightedLinear(3, 2, 4), cfg) is None  # its forward is not the rule's
+    for wrt in ("input", "both"):
+        assert _closed_form(build_module(cfg), cfg.model_copy(update={"wrt": wrt})) is None
+
+
+def test_builtin_model_mse_gradients_equal_autograd_loop(chain: Chain, write_cube: Any) -> None:
+    # the built-in model takes its closed form: checked here against the loop, not itself
+    ds = make_ds(n_obs=12, ny=4, nx=5)
+    target = np.random.default_rng(4).standard_normal((4, 4, 5))
+    ds["t"] = (("out", "y", "x"), target)
+    cfg = MultidimLinearModel(input_dim=3, hidden_dim=2, output_dim=4, objective="mse")
+    out = run_model(chain, write_cube(ds), cfg, variable="signal", target="t")
+    X, T = pixels(out["coefficients"]).reshape(-1, 3, 2), pixels(target)
+    module = build_module(cfg)
+    for p in range(20):
+        y = module(torch.from_numpy(X[p]))
+        loss = ((y - torch.from_numpy(T[p]).float()) ** 2).mean()
+        w, b = torch.autograd.grad(loss, [module.weight, module.bias])
+        np.testing.assert_allclose(pixels(out["grad:weight"])[p], w.numpy(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(pixels(out["grad:bias"])[p], b.numpy(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(pixels(out["prediction"])[p], y.detach().numpy(), rtol=1e-5)
