@@ -73,7 +73,14 @@ class NetCDFWrite(GridWrite):
         min_length=1,
     )
     zlib: bool = Field(True, description="zlib-compress the variables.")
-    complevel: int = Field(1, ge=0, le=9, description="zlib level (1 is fast, 9 is small).")
+    complevel: int = Field(
+        1,
+        ge=0,
+        le=9,
+        description="Deflate level: 1-3 fast (ISA-L, about 10x zlib's speed, files a few "
+        "percent larger than zlib's level 1), 4-9 zlib's (smaller and slower). Every "
+        "NetCDF reader inflates both.",
+    )
     shuffle: bool = Field(True, description="HDF5 byte shuffle before compression.")
 
 

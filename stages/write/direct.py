@@ -4,8 +4,18 @@ HDF5 compresses a variable's chunks one after another, on one core: on the
 seed cube that was 70% of a whole run. Here each block the writer fills is cut
 into the variable's chunks, which are shuffled and deflated exactly as the
 variable's own filter pipeline would (the netCDF library defined it), on every
-core at once (``zlib`` releases the GIL), then stored with HDF5's direct chunk
-write in a fixed order, so the file is the same whatever the number of cores.
+core at once (the compressors release the GIL), then stored with HDF5's direct
+chunk write in a fixed order, so the file is the same whatever the number of cores.
+
+Deflate levels 1-3 are compressed with ISA-L (``isal``), levels 4-9 with zlib.
+Both write standard zlib streams that HDF5's deflate filter, netCDF-C, CDO and
+every other reader inflate; the data read back are the same bits. On the seed
+demo's chunks (shuffled float32) ISA-L's level 1 ran at 700-730 MB/s per core
+against zlib's 64-67 MB/s, with a compression ratio within 1 % of zlib's level 1
+(1.394 against 1.407 for the gradients): the write stage was most of a run. The
+compressed bytes differ from zlib's, and may differ between ISA-L's code paths
+(SSE, AVX2, AVX-512), which the determinism promise allows (same machine, same
+code path; ``stages/engine/agreement.py``).
 
 Anything else, e.g. a block that covers chunks only in part or a filter other
 than shuffle and deflate, is written the ordinary way (h5py's ``d[index] = data``).
@@ -23,6 +33,11 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+try:
+    from isal import isal_zlib
+except ImportError:  # a platform without its wheel: zlib at every level
+    isal_zlib = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:  # h5py is imported when a file is written, not by every run (cached ones)
     import h5py
@@ -62,7 +77,20 @@ def encode(chunk: np.ndarray, shuffle: bool, level: int | None) -> bytes:
     if shuffle and size > 1:
         # HDF5's shuffle: the first byte of every element, then every second byte, …
         raw = np.frombuffer(raw, np.uint8).reshape(-1, size).T.tobytes()
-    return zlib.compress(raw, level) if level is not None else raw
+    if level is None:
+        return raw
+    return deflate(raw, level)
+
+
+#: The highest deflate level compressed with ISA-L (its levels are 0-3; 0 is not zlib's 0).
+ISAL_MAX_LEVEL = 3
+
+
+def deflate(raw: bytes, level: int) -> bytes:
+    """``raw`` as a zlib stream, deflated at ``level`` (1-9)."""
+    if isal_zlib is not None and 1 <= level <= ISAL_MAX_LEVEL:
+        return isal_zlib.compress(raw, level)
+    return zlib.compress(raw, level)
 
 
 def _chunk_starts(
