@@ -42,8 +42,9 @@ def make_kernel(module: nn.Module, config: ModelConfig, shape: tuple[int, ...]) 
     It takes the pixels pixel-last, as the coefficients are stored
     (``x (coef, m)``, ``target (n_out, m)``), writes each output into
     ``outputs[name]`` (shape ``(*dims, m)``, pixel-last, as the tiles store
-    them) and, compiled, returns whether each pixel's outputs are all finite
-    (None in eager mode). One forward pass gives the outputs and the gradients.
+    them) and returns whether each pixel's outputs are all finite, where it
+    knows without reading them back (compiled, or a model's closed form without
+    Jacobians), else None. One forward pass gives the outputs and the gradients.
     """
     fns = _per_sample_fns(module, config)
     grads, jac = fns[1], fns[2]
@@ -67,7 +68,9 @@ def make_kernel(module: nn.Module, config: ModelConfig, shape: tuple[int, ...]) 
         values: dict[str, torch.Tensor] = {}
         if closed is not None and not torch.compiler.is_compiling():
             # compiled, the autograd route below is traced: inductor fuses it as well
-            closed(params, buffers, xs, x, tt, outputs)
+            flags = closed(params, buffers, xs, x, tt, outputs)
+            if jac is None:
+                return flags
         else:
             g, y = grads(params, buffers, xs, tt)
             values = {"prediction": y, **_named(g, config.wrt, "grad")}

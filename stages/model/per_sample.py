@@ -156,7 +156,8 @@ def _expanded_gradients(
 
 
 #: (params, buffers, x pixel-first (m, *input), x pixel-last (coef, m), target pixel-first or
-#: None, outputs pixel-last) → None: writes ``prediction`` and every ``grad:<param>``.
+#: None, outputs pixel-last) → whether each pixel's outputs it wrote are all finite, (m,):
+#: writes ``prediction`` and every ``grad:<param>``.
 ClosedForm = Callable[
     [
         dict[str, torch.Tensor],
@@ -166,7 +167,7 @@ ClosedForm = Callable[
         torch.Tensor | None,
         dict[str, torch.Tensor],
     ],
-    None,
+    torch.Tensor,
 ]
 
 
@@ -199,7 +200,7 @@ def _closed_form(module: nn.Module, config: ModelConfig) -> ClosedForm | None:
         x: torch.Tensor,
         t: torch.Tensor | None,
         outputs: dict[str, torch.Tensor],
-    ) -> None:
+    ) -> torch.Tensor:
         n = xs.shape[0]
         # the forward over per-pixel stride-0 copies, as _expanded_gradients runs it
         p_in = {k: v.detach().expand(n, *v.shape) for k, v in params.items()}
@@ -209,7 +210,13 @@ def _closed_form(module: nn.Module, config: ModelConfig) -> ClosedForm | None:
             y_d = y.detach().requires_grad_()
             (dl,) = torch.autograd.grad(losses(y_d, t).sum(), y_d)
         outputs["prediction"].copy_(y.t())
-        rule(x, dl.t(), {k: outputs[f"grad:{k}"] for k in params})
+        dl_t = dl.t()
+        rule(x, dl_t, {k: outputs[f"grad:{k}"] for k in params})
+        # Whether every output is finite, without reading them back: a weight gradient
+        # is x_i·dl_k, and rounding is monotonic, so all are finite exactly when the
+        # largest, max|x|·max|dl| (one of them), is; NaN propagates through amax.
+        big = x.abs().amax(dim=0) * dl_t.abs().amax(dim=0)
+        return torch.isfinite(big) & torch.isfinite(dl_t).all(dim=0) & torch.isfinite(y).all(dim=1)
 
     return closed
 

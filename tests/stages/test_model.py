@@ -906,3 +906,30 @@ def test_builtin_model_mse_gradients_equal_autograd_loop(chain: Chain, write_cub
         np.testing.assert_allclose(pixels(out["grad:weight"])[p], w.numpy(), rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(pixels(out["grad:bias"])[p], b.numpy(), rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(pixels(out["prediction"])[p], y.detach().numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_closed_form_finite_flags_are_those_of_the_outputs(dtype: str) -> None:
+    from gridsolve.stages.model.compiled import _finite_pixels
+    from gridsolve.stages.model.per_sample import _closed_form
+
+    cfg = MultidimLinearModel(input_dim=3, hidden_dim=2, output_dim=4, objective="mse", dtype=dtype)
+    module = build_module(cfg).to(getattr(torch, dtype))
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    big = float(np.sqrt(np.finfo(dtype).max))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 40, generator=gen, dtype=module.weight.dtype)
+    t = torch.randn(4, 40, generator=gen, dtype=x.dtype)
+    x[0, 2] = big * 4  # y and dl large, their product inf
+    t[:, 3] = big * 8  # dl ≈ big, x ordinary: finite
+    t[2, 4] = np.nan  # dl NaN for one output: NaN gradients
+    x[:, 5] = 0.0
+    t[:, 5] = -float(np.finfo(dtype).max) / 8  # dl huge but finite, x = 0: zeros
+    shapes = {"prediction": (4,), "grad:weight": (3, 2, 4), "grad:bias": (4,)}
+    outputs = {k: torch.empty((*s, 40), dtype=x.dtype) for k, s in shapes.items()}
+    closed = _closed_form(module, cfg)
+    assert closed is not None
+    flags = closed(params, {}, x.t().contiguous().reshape(40, 3, 2), x, t.t(), outputs)
+    want = _finite_pixels(o.numpy() for o in outputs.values())
+    np.testing.assert_array_equal(flags.numpy(), want)
+    assert list(np.flatnonzero(~want)) == [2, 4]
