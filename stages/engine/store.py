@@ -255,11 +255,13 @@ class Staging:
         #: the array itself (held so the mapping stays valid and the address unique)
         self._files: dict[tuple[int, tuple[int, ...]], tuple[Path, int, np.ndarray]] = {}
 
-    def empty(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
+    def empty(self, shape: Sequence[int], dtype: Any, populate: bool = True) -> np.ndarray:
         """An uninitialised array of ``shape`` and ``dtype``, ready to be stored as it is.
 
         In memory instead (stored the usual way) where the store's disk takes
         no mapping; a StoreError where it has no room for the array.
+        ``populate``: map every page in now, for an array filled through the
+        mapping; False for one filled by :meth:`write` in large blocks.
         """
         dt = np.dtype(dtype)
         shape = tuple(int(n) for n in shape)
@@ -284,9 +286,49 @@ class Staging:
                 raise _cache_full(root, f" for an output of {nbytes:,} bytes") from exc
             log.debug("staging %s: %s; kept in memory instead", path, exc)
             return np.empty(shape, dt)
-        _populate(arr)
+        if populate:
+            _populate(arr)
         self._files[(arr.ctypes.data, shape)] = (path, offset, arr)
         return arr
+
+    def write(self, arr: np.ndarray, index: tuple[int, ...], data: np.ndarray) -> None:
+        """``arr[index] = data``, by a write to the file where ``arr`` is (in) a staged array.
+
+        ``arr[index]`` must be C-contiguous. Filling a staged file by writes of
+        whole rows costs a fraction of filling it through its mapping: the
+        kernel need not zero each new page first nor take a fault per page
+        (the demo's 408 MB of gradients, 4 files on 2 threads: 0.045-0.058 s
+        against 0.20-0.34 s). The mapping sees what was written.
+        """
+        part = arr[index]
+        found = self._file_holding(part) if part.flags.c_contiguous else None
+        if found is None:
+            part[...] = data
+            return
+        path, start = found
+        raw = np.ascontiguousarray(data, dtype=part.dtype)
+        if raw.shape != part.shape:
+            raw = np.ascontiguousarray(np.broadcast_to(raw, part.shape))
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            view = raw.reshape(-1).view(np.uint8).data
+            done = 0
+            while done < len(view):  # a write may be short
+                done += os.pwrite(fd, view[done:], start + done)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _cache_full(self.folder.parent.parent, "") from exc
+            raise
+        finally:
+            os.close(fd)
+
+    def _file_holding(self, part: np.ndarray) -> tuple[Path, int] | None:
+        """The staged file whose array holds ``part``, and ``part``'s byte offset in it."""
+        lo = part.ctypes.data
+        for (address, _), (path, offset, mapped) in self._files.items():
+            if address <= lo and lo + part.nbytes <= address + mapped.nbytes:
+                return path, offset + lo - address
+        return None
 
     def adopt(self, arr: Any) -> tuple[Path, int, str] | None:
         """The staged file that holds exactly ``arr``, its size and xxh3 checksum; else None.

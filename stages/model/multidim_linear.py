@@ -42,13 +42,14 @@ class MultidimLinear(nn.Module):
     def per_sample_parameter_gradients(
         self, x: torch.Tensor, dl: torch.Tensor, out: Mapping[str, torch.Tensor]
     ) -> None:
-        """Each sample's gradient of Σ_k dl_k·y_k with respect to weight and bias, into ``out``.
+        """Each sample's gradient of Σ_k dl_k·y_k with respect to weight (and bias), into ``out``.
 
-        Samples are the last dim of every array (the stored layout): ``x``
-        (input_dim·hidden_dim, m), ``dl`` (output_dim, m), ``out["weight"]``
-        (input_dim, hidden_dim, output_dim, m) and ``out["bias"]`` (output_dim, m).
+        Samples are the last dim of every array (the stored layout): ``x`` (…, m)
+        holds input elements of every sample (all of them: (input_dim,
+        hidden_dim, m)), ``dl`` (output_dim, m); ``out["weight"]`` (…,
+        output_dim, m) gets the weight's gradient for those elements, and
+        ``out["bias"]`` (output_dim, m), if given, the bias's.
         """
-        i, h, o = self.weight.shape
-        m = x.shape[-1]
-        torch.mul(x.reshape(i, h, 1, m), dl.reshape(1, 1, o, m), out=out["weight"])
-        out["bias"].copy_(dl)
+        torch.mul(x.unsqueeze(-2), dl, out=out["weight"])
+        if "bias" in out:
+            out["bias"].copy_(dl)

@@ -22,9 +22,10 @@ mode too, the first time it fails.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, grad, jacrev, vjp, vmap
@@ -155,45 +156,61 @@ def _expanded_gradients(
     return expanded
 
 
-#: (params, buffers, x pixel-first (m, *input), x pixel-last (coef, m), target pixel-first or
-#: None, outputs pixel-last) → whether each pixel's outputs it wrote are all finite, (m,):
-#: writes ``prediction`` and every ``grad:<param>``.
-ClosedForm = Callable[
-    [
-        dict[str, torch.Tensor],
-        dict[str, torch.Tensor],
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor | None,
-        dict[str, torch.Tensor],
-    ],
-    torch.Tensor,
-]
+#: ``write(array, index, block)``: ``array[index] = block``, the way the stage context writes.
+Write = Callable[[np.ndarray, tuple[int, ...], np.ndarray], None]
 
 
-def _closed_form(module: nn.Module, config: ModelConfig) -> ClosedForm | None:
-    """Outputs and per-sample parameter gradients by the model's own closed form, if it has one.
+class ClosedForm:
+    """Outputs and per-sample parameter gradients of ``MultidimLinear`` by its closed form.
 
-    Only gridsolve's own models have one (``MultidimLinear``: the gradient of
-    Σ_k dl_k·y_k with respect to the weight is x ⊗ dl, and dl for the bias),
-    and only for gradients with respect to the parameters: a user's module,
-    or a subclass that may change the forward, takes autograd. The outputs and
-    d loss/d y come from the very operations the autograd route runs, and the
-    rule's products are the single multiplications autograd's batched products
-    make, so the values are the same bits; the rule writes each pixel's
-    gradient straight into the stored (pixel-last) layout, where autograd's
-    come pixel-first through batched products with an inner size of 1 and are
-    then transposed (10×10×4 model, 62,500 pixels, one thread: 0.041 s against
-    0.133 s).
+    The gradient of Σ_k dl_k·y_k with respect to the weight is x ⊗ dl, and dl
+    for the bias. The outputs and d loss/d y come from the very operations the
+    autograd route runs (the forward vmapped over per-pixel stride-0 copies of
+    the parameters, as ``_expanded_gradients`` runs it), and the rule's
+    products are the single multiplications autograd's batched products make,
+    so the values are the same bits. The rule writes each pixel's gradient
+    straight into the stored (pixel-last) layout, where autograd's come
+    pixel-first through batched products with an inner size of 1 and are then
+    transposed (10×10×4 model, 62,500 pixels, one thread: 0.041 s against 0.133 s).
     """
-    if type(module) is not MultidimLinear or config.wrt != "params":
-        return None
-    rule = module.per_sample_parameter_gradients
-    f, loss = _single_sample_fns(module, config)
-    forward = vmap(f, in_dims=(0, None, 0))
-    losses = vmap(loss, in_dims=(0, 0 if config.objective == "mse" else None))
 
-    def closed(
+    def __init__(self, module: MultidimLinear, config: ModelConfig) -> None:
+        self.rule = module.per_sample_parameter_gradients
+        self.weight_shape = tuple(module.weight.shape)
+        f, loss = _single_sample_fns(module, config)
+        self._forward = vmap(f, in_dims=(0, None, 0))
+        self._losses = vmap(loss, in_dims=(0, 0 if config.objective == "mse" else None))
+
+    def forward(
+        self,
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        xs: torch.Tensor,
+        t: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Outputs y and d loss/d y of the pixels ``xs`` (m, *input), both (m, n_out)."""
+        n = xs.shape[0]
+        p_in = {k: v.detach().expand(n, *v.shape) for k, v in params.items()}
+        with torch.no_grad():
+            y = self._forward(p_in, buffers, xs)
+        with torch.enable_grad():
+            y_d = y.detach().requires_grad_()
+            (dl,) = torch.autograd.grad(self._losses(y_d, t).sum(), y_d)
+        return y, dl
+
+    @staticmethod
+    def finite(x: torch.Tensor, y: torch.Tensor, dl_t: torch.Tensor) -> torch.Tensor:
+        """Whether each pixel's outputs are all finite, without reading them back.
+
+        ``x`` (coef, m), ``y`` (m, n_out), ``dl_t`` (n_out, m). A weight gradient
+        is x_i·dl_k, and rounding is monotonic, so all are finite exactly when
+        the largest, max|x|·max|dl| (one of them), is; NaN propagates through amax.
+        """
+        big = x.abs().amax(dim=0) * dl_t.abs().amax(dim=0)
+        return torch.isfinite(big) & torch.isfinite(dl_t).all(dim=0) & torch.isfinite(y).all(dim=1)
+
+    def __call__(
+        self,
         params: dict[str, torch.Tensor],
         buffers: dict[str, torch.Tensor],
         xs: torch.Tensor,
@@ -201,24 +218,54 @@ def _closed_form(module: nn.Module, config: ModelConfig) -> ClosedForm | None:
         t: torch.Tensor | None,
         outputs: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        n = xs.shape[0]
-        # the forward over per-pixel stride-0 copies, as _expanded_gradients runs it
-        p_in = {k: v.detach().expand(n, *v.shape) for k, v in params.items()}
-        with torch.no_grad():
-            y = forward(p_in, buffers, xs)
-        with torch.enable_grad():
-            y_d = y.detach().requires_grad_()
-            (dl,) = torch.autograd.grad(losses(y_d, t).sum(), y_d)
+        """One chunk: its outputs into ``outputs`` (pixel-last), and whether each is finite.
+
+        ``xs`` (m, *input) and ``x`` (coef, m) are the same pixels; ``t`` pixel-first.
+        """
+        y, dl = self.forward(params, buffers, xs, t)
         outputs["prediction"].copy_(y.t())
         dl_t = dl.t()
-        rule(x, dl_t, {k: outputs[f"grad:{k}"] for k in params})
-        # Whether every output is finite, without reading them back: a weight gradient
-        # is x_i·dl_k, and rounding is monotonic, so all are finite exactly when the
-        # largest, max|x|·max|dl| (one of them), is; NaN propagates through amax.
-        big = x.abs().amax(dim=0) * dl_t.abs().amax(dim=0)
-        return torch.isfinite(big) & torch.isfinite(dl_t).all(dim=0) & torch.isfinite(y).all(dim=1)
+        grads = {k: outputs[f"grad:{k}"] for k in params}
+        grads["weight"] = grads["weight"].reshape(*self.weight_shape[:-1], *dl_t.shape)
+        self.rule(x.reshape(*self.weight_shape[:-1], -1), dl_t, grads)
+        return self.finite(x, y, dl_t)
 
-    return closed
+    def write_rows(
+        self,
+        x_row: Callable[[int], torch.Tensor],
+        y_t: torch.Tensor,
+        dl_t: torch.Tensor,
+        dest: Mapping[str, np.ndarray],
+        write: Write,
+    ) -> None:
+        """A whole tile's outputs, written a block of whole rows at a time.
+
+        ``x_row(r)``: the r-th input element of every pixel, (n,); ``y_t`` and
+        ``dl_t`` (n_out, n); ``dest`` the stored arrays, pixel-last. Each
+        weight row block is made in one small buffer and written at once: the
+        gradients never exist whole in memory.
+        """
+        write(dest["prediction"], (), y_t.numpy())
+        write(dest["grad:bias"], (), dl_t.numpy())
+        buf = torch.empty(dl_t.shape, dtype=dl_t.dtype)
+        lead = self.weight_shape[:-1]
+        for r in range(int(np.prod(lead))):
+            self.rule(x_row(r), dl_t, {"weight": buf})
+            write(
+                dest["grad:weight"], tuple(int(i) for i in np.unravel_index(r, lead)), buf.numpy()
+            )
+
+
+def _closed_form(module: nn.Module, config: ModelConfig) -> ClosedForm | None:
+    """The model's closed form (:class:`ClosedForm`), if it has one; else None.
+
+    Only gridsolve's own ``MultidimLinear`` has one, and only for gradients
+    with respect to the parameters: a user's module, or a subclass that may
+    change the forward, takes autograd.
+    """
+    if type(module) is not MultidimLinear or config.wrt != "params":
+        return None
+    return ClosedForm(module, config)
 
 
 def _eager_or_vjp(expanded: Gradients, vjp_grads: Gradients) -> Gradients:

@@ -33,6 +33,7 @@ from gridsolve.stages.model.compiled import (
     _pixels_dynamic,
     compiled_kernel,
 )
+from gridsolve.stages.model.per_sample import ClosedForm, Write, _closed_form
 
 
 def _tensors(
@@ -91,6 +92,9 @@ class _TileRun:
     finite_run: np.ndarray  # (n_run,) the pixel's outputs are all finite
     #: the arrays the tile returns, (*shape, ny, nx): ``dest``'s own memory when dense
     out: dict[str, np.ndarray]
+    #: the model's closed form, where it writes this tile whole rows at a time (dense, on
+    #: the host, eager, without Jacobians): see :func:`_run_rows`
+    rows: ClosedForm | None = None
 
     @property
     def flat(self) -> dict[str, np.ndarray]:
@@ -170,6 +174,16 @@ def _plan_run(
     # (only the valid pixels) and scattered.
     dense = 2 * len(px.ok) >= n_px
     n_run = n_px if dense else len(px.ok)
+    closed = _closed_form(module, config)
+    rows = (
+        closed
+        if closed is not None
+        and dense
+        and device.type == "cpu"
+        and not config.jacobian
+        and not _wants_compile(config, inputs)
+        else None
+    )
     run = _TileRun(
         px=px,
         params=params,
@@ -184,8 +198,13 @@ def _plan_run(
         src_t=px.target if dense or px.target is None else px.target[:, px.ok],
         dest={},
         finite_run=np.ones(n_run, bool),
-        # The returned arrays come from the context: filled where the store keeps them.
-        out={k: ctx.empty((*s, *tile.shape), np_dtype) for k, s in shapes.items()},
+        # The returned arrays come from the context: filled where the store keeps them
+        # (by writes of whole rows, or through the mapping, its pages mapped in first).
+        out={
+            k: ctx.empty((*s, *tile.shape), np_dtype, populate=rows is None)
+            for k, s in shapes.items()
+        },
+        rows=rows,
     )
     if dense:  # computed in place in the returned arrays
         run.dest = run.flat
@@ -204,6 +223,14 @@ def _chunk_pixels(config: ModelConfig, run: _TileRun, memory_budget: int, compil
     )
 
 
+def _wants_compile(config: ModelConfig, inputs: Mapping[str, Artifact]) -> bool:
+    """Whether the config asks for the compiled kernel on this grid."""
+    grid_px = int(np.prod(LoadMeta.of(inputs["load"]).grid_shape()))
+    return config.compile == "always" or (
+        config.compile == "auto" and grid_px >= COMPILE_MIN_PIXELS
+    )
+
+
 def _pick_kernel(
     run: _TileRun,
     config: ModelConfig,
@@ -213,12 +240,8 @@ def _pick_kernel(
 ) -> tuple[Kernel, str]:
     """The kernel to start the tile with (compiled when asked for and checked) and its cache key."""
     kernel: Kernel = run.eager
-    grid_px = int(np.prod(LoadMeta.of(inputs["load"]).grid_shape()))
-    want_compile = config.compile == "always" or (
-        config.compile == "auto" and grid_px >= COMPILE_MIN_PIXELS
-    )
     compile_key = f"{prepared.key}:{run.device}"
-    if want_compile and run.n_run > 1:
+    if _wants_compile(config, inputs) and run.n_run > 1:
         m = min(COMPILE_CHECK_PIXELS, run.n_run)
         compiled = compiled_kernel(
             compile_key,
@@ -276,6 +299,37 @@ def _run_chunks(
         else:
             run.finite_run[s:e] = _finite_pixels(arr[..., s:e] for arr in run.dest.values())
     return kernel is not eager and compiled_chunks > 0
+
+
+def _run_rows(run: _TileRun, rows: ClosedForm, chunk: int, write: Write) -> None:
+    """Fill ``run.dest`` and ``run.finite_run`` by the closed form, whole rows at a time.
+
+    The outputs and d loss/d y chunk by chunk (small: n_out per pixel), then
+    every output written in blocks of whole rows: the gradients are made a
+    row block at a time in one buffer and written to the store's file, never
+    whole in memory, and no page of the file is zeroed or faulted in first
+    (``Staging.write``). Pixels without finite coefficients get junk here
+    and NaN in :func:`_tile_outputs`, as on the chunk path.
+    """
+    n = run.n_run
+    n_out = run.shapes["prediction"][0]
+    y_t = torch.empty((n_out, n), dtype=run.dtype)
+    dl_t = torch.empty((n_out, n), dtype=run.dtype)
+    shape = tuple(rows.weight_shape[:-1])
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        x, t = run.inputs(s, e)
+        xs = x.t().contiguous().reshape(e - s, *shape)
+        y, dl = rows.forward(run.params, run.buffers, xs, None if t is None else t.t())
+        y_t[:, s:e] = y.t()
+        dl_t[:, s:e] = dl.t()
+        run.finite_run[s:e] = rows.finite(x, y, dl_t[:, s:e]).numpy()
+    src = run.src
+
+    def x_row(r: int) -> torch.Tensor:
+        return _as_tensor(src[r]).to(dtype=run.dtype)
+
+    rows.write_rows(x_row, y_t, dl_t, run.dest, write)
 
 
 def _tile_outputs(run: _TileRun) -> tuple[dict[str, np.ndarray], np.ndarray]:

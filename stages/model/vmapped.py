@@ -61,6 +61,7 @@ from gridsolve.stages.model.tile_run import (
     _pick_kernel,
     _plan_run,
     _run_chunks,
+    _run_rows,
     _tile_outputs,
     _tile_result,
 )
@@ -128,7 +129,11 @@ def run_tile(
     run = _plan_run(config, inputs, prepared, tile, ctx)
     kernel, compile_key = _pick_kernel(run, config, inputs, prepared, ctx.logger)
     chunks = {c: _chunk_pixels(config, run, ctx.memory_budget, compiled=c) for c in (False, True)}
-    compiled_ran = _run_chunks(run, kernel, chunks, compile_key, ctx.logger)
+    compiled_ran = False
+    if run.rows is not None and kernel is run.eager:
+        _run_rows(run, run.rows, chunks[False], ctx.write)
+    else:
+        compiled_ran = _run_chunks(run, kernel, chunks, compile_key, ctx.logger)
     out, finite_out = _tile_outputs(run)
     px = run.px
     if px.bad_target.any():

@@ -933,3 +933,57 @@ def test_closed_form_finite_flags_are_those_of_the_outputs(dtype: str) -> None:
     want = _finite_pixels(o.numpy() for o in outputs.values())
     np.testing.assert_array_equal(flags.numpy(), want)
     assert list(np.flatnonzero(~want)) == [2, 4]
+
+
+@pytest.mark.parametrize("objective", ["sum", "mse"])
+def test_rows_written_whole_equal_the_autograd_chunks(
+    mappable_tmp: Path,
+    chain: Chain,
+    write_cube: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    objective: str,
+) -> None:
+    # A dense tile of the built-in model is written whole rows at a time into the store's
+    # files; a few pixels without coefficients, and (mse) one without a finite target.
+    from gridsolve.stages.model import chunk_kernel, tile_run
+
+    ds = make_ds(n_obs=12, ny=5, nx=6)
+    ds["signal"].values[:, 0, :2] = np.nan
+    target = np.random.default_rng(6).standard_normal((4, 5, 6))
+    target[1, 4, 5] = np.nan
+    ds["t"] = (("out", "y", "x"), target)
+    cfg = MultidimLinearModel(input_dim=2, hidden_dim=3, output_dim=4, objective=objective)
+    load = {"variable": "signal", **({"target": "t"} if objective == "mse" else {})}
+    rows_run: list[bool] = []
+    run_rows = tile_run._run_rows
+    monkeypatch.setattr(
+        "gridsolve.stages.model.vmapped._run_rows",
+        lambda *a: rows_run.append(True) or run_rows(*a),
+    )
+    chunks_run: list[bool] = []
+    run_chunks = tile_run._run_chunks
+    monkeypatch.setattr(
+        "gridsolve.stages.model.vmapped._run_chunks",
+        lambda *a: chunks_run.append(True) or run_chunks(*a),
+    )
+    got = run_model(chain, write_cube(ds), cfg, **load)
+    assert rows_run == [True] and chunks_run == []
+    monkeypatch.setattr(tile_run, "_closed_form", lambda *a: None)
+    monkeypatch.setattr(chunk_kernel, "_closed_form", lambda *a: None)
+    import dataclasses
+
+    from gridsolve.stages.engine.store import Store
+
+    fresh = dataclasses.replace(chain.ctx, store=Store(mappable_tmp / "autograd"))  # no hits
+    want = run_model(Chain(fresh), write_cube(ds), cfg, **load)
+    assert rows_run == [True] and chunks_run == [True]  # autograd, chunk by chunk
+    assert sorted(got) == sorted(want)
+    for k in got:
+        assert got[k].tobytes() == want[k].tobytes(), k
+    status = got["model_status"]
+    assert (status[0, :2] == MODEL_STATUS_CODES["input_not_finite"]).all()
+    assert np.isnan(got["grad:weight"][..., 0, :2]).all()
+    if objective == "mse":
+        assert status[4, 5] == MODEL_STATUS_CODES["target_not_finite"]
+        assert np.isnan(got["grad:bias"][:, 4, 5]).all()
+        assert np.isfinite(got["prediction"][:, 4, 5]).all()

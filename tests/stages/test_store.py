@@ -300,3 +300,53 @@ def test_where_files_cannot_be_filled_through_a_mapping_outputs_are_written_as_b
         a[...] = 3.0
         art = store.put(KEY, StageOutput(arrays={"a": a}, meta={}), {}, staged)
     np.testing.assert_array_equal(art.array("a"), np.full((4, 5), 3.0, np.float32))
+
+
+def test_staged_arrays_filled_by_writes_of_rows_store_the_same_bytes(
+    mappable_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Filling by file writes (no page mapped in first) instead of through the mapping.
+    import gridsolve.stages.engine.store as store_module
+
+    populated: list[int] = []
+    populate = store_module._populate
+    monkeypatch.setattr(
+        store_module, "_populate", lambda arr: populated.append(arr.size) or populate(arr)
+    )
+    writes: list[int] = []
+    pwrite = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, b, o: writes.append(o) or pwrite(fd, b, o))
+    want = np.arange(3 * 4 * 50, dtype=np.float32).reshape(3, 4, 50) / 7
+    staged_store, written_store = Store(mappable_tmp / "s"), Store(mappable_tmp / "w")
+    with staged_store.staging() as staged:
+        a = staged.empty((3, 4, 5, 10), np.float32, populate=False)
+        flat = a.reshape(3, 4, 50)  # a view, as the model's pixel-last arrays are
+        for i in range(3):
+            for j in range(4):
+                staged.write(flat, (i, j), want[i, j])
+        staged.write(flat, (2,), want[2])  # a bigger block, again
+        assert np.array_equal(a.reshape(3, 4, 50), want)  # the mapping sees the writes
+        kept = np.empty((2, 3), np.float64)  # not staged: assigned
+        staged.write(kept, (1,), np.array([1.0, 2.0, 3.0]))
+        assert kept[1].tolist() == [1.0, 2.0, 3.0]
+        art = staged_store.put(KEY, StageOutput(arrays={"a": a}, meta={}), {"kind": "t"}, staged)
+    assert populated == []
+    assert len(writes) == 13 and writes[0] == writes[-1] - 2 * 4 * 50 * 4  # at the rows' offsets
+    plain = written_store.put(
+        KEY, StageOutput(arrays={"a": want.reshape(3, 4, 5, 10)}, meta={}), {"kind": "t"}
+    )
+    assert art._files == plain._files
+    assert (art.path / "a0.npy").read_bytes() == (plain.path / "a0.npy").read_bytes()
+
+
+def test_a_full_disk_during_a_staged_write_is_a_clear_error(
+    mappable_tmp: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, data: Any, offset: int) -> int:
+        raise OSError(28, "No space left on device")
+
+    with store.staging() as staged:
+        a = staged.empty((4, 100), np.float32, populate=False)
+        monkeypatch.setattr(os, "pwrite", full)
+        with pytest.raises(StoreError, match="no space left in the cache folder"):
+            staged.write(a, (1,), np.ones(100, np.float32))
