@@ -19,7 +19,8 @@ cli        the model row of ``gridsolve run``'s summary on the same problem (the
            setup included: importing torch.func's machinery, building and probing the
            model, every tile with its store), as a user reads it, with its compute and
            store phases; beside it the store's floor: the same bytes put into new
-           files by a fresh process, by write and by filling mapped files
+           files by a fresh process, by write from memory, by filling mapped files,
+           and by writes of 1 MB row blocks from one buffer (as the store now does)
 
 Targets (issue 13): compute ≤ 1.5× BackPACK; incl. store ≤ 3× BackPACK; compute ≥ 100×
 faster than the loop. Issue 29: the model stage as the run summary reports it ≤ 3×
@@ -292,8 +293,9 @@ def run(folder: Path, n: int, repeats: int, loop_pixels: int) -> None:
         print(
             f"store floor: those {stored / 1e6:.0f} MB put into 4 new files by a fresh process "
             f"that first wrote the {before / 1e6:.0f} MB the earlier stages store, medians: "
-            f"{floors['mapped']:.2f} s filling mapped files (as the store stages them), "
-            f"{floors['write']:.2f} s by write from memory; the lesser = "
+            f"{floors['rows']:.2f} s by writes of row blocks from one buffer (as the model "
+            f"stage now fills them), {floors['mapped']:.2f} s filling mapped files, "
+            f"{floors['write']:.2f} s by write from memory; the least = "
             f"{floor_s / backpack_s:.1f}× BackPACK compute"
         )
         verdicts.append(
@@ -353,8 +355,9 @@ class CliRuns:
 def store_floor_seconds(folder: Path, before: int, nbytes: int, repeats: int) -> dict[str, float]:
     """Median seconds for a fresh process to put ``nbytes`` into 4 new files (as the model's
     4 tiles), after it wrote ``before`` bytes untimed (what the run's earlier stages
-    stored): by ``write`` from arrays made before the clock starts, and by filling mapped
-    files as the store's staging does (blocks reserved, pages mapped in, then written).
+    stored): by ``write`` from arrays made before the clock starts, by filling mapped
+    files (blocks reserved, pages mapped in, then written), and by writes of 1 MB row
+    blocks from one buffer into files with their blocks reserved (``Staging.write``).
 
     The store's floor on this host. A fresh process's first writes to memory it has not
     touched cost far more than later ones (this VM backs its memory on first use: 408 MB
@@ -375,12 +378,18 @@ def store_floor_seconds(folder: Path, before: int, nbytes: int, repeats: int) ->
         "        with open(path, 'wb') as f: f.write(parts[i].data)\n"
         "        continue\n"
         "    with open(path, 'wb') as f: os.posix_fallocate(f.fileno(), 0, src.nbytes)\n"
+        "    if how == 'rows':\n"
+        "        fd, block = os.open(path, os.O_WRONLY), src[: 2**18].view(np.uint8).data\n"
+        "        for at in range(0, src.nbytes, len(block)):\n"
+        "            os.pwrite(fd, block[: src.nbytes - at], at)\n"
+        "        os.close(fd)\n"
+        "        continue\n"
         "    a = np.memmap(path, np.float32, 'r+', shape=src.shape)\n"
         "    a._mmap.madvise(getattr(mmap, 'MADV_POPULATE_WRITE', 23))\n"
         "    np.copyto(a, src)\n"
         "print(time.perf_counter() - t0)\n"
     )
-    times: dict[str, list[float]] = {"write": [], "mapped": []}
+    times: dict[str, list[float]] = {"write": [], "mapped": [], "rows": []}
     for _ in range(repeats):
         for how, got in times.items():
             folder.mkdir(parents=True, exist_ok=True)
