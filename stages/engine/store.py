@@ -314,7 +314,10 @@ class Staging:
             view = raw.reshape(-1).view(np.uint8).data
             done = 0
             while done < len(view):  # a write may be short
-                done += os.pwrite(fd, view[done:], start + done)
+                wrote = os.pwrite(fd, view[done:], start + done)
+                if wrote <= 0:
+                    raise OSError(errno.EIO, f"no progress writing {path}")
+                done += wrote
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise _cache_full(self.folder.parent.parent, "") from exc

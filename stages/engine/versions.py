@@ -52,9 +52,19 @@ from gridsolve.stages.engine.hashing import canonical_json, hash_text
 from gridsolve.stages.engine.pyparse import PARSE_LOCK
 
 #: Distributions whose version can change the numbers (or bytes) gridsolve
-#: produces. h5py: the NetCDF writer stores its compressed chunks through it
-#: (stages/write/direct.py). Prefect only orchestrates.
-NUMERIC_PACKAGES = ("gridsolve", "numpy", "scipy", "torch", "xarray", "netCDF4", "h5py")
+#: produces. h5py: the NetCDF writer stores its compressed chunks through it, and
+#: isal deflates them (stages/write/direct.py; absent, zlib does: "unknown").
+#: Prefect only orchestrates.
+NUMERIC_PACKAGES = (
+    "gridsolve",
+    "numpy",
+    "scipy",
+    "torch",
+    "xarray",
+    "netCDF4",
+    "h5py",
+    "isal",
+)
 
 #: gridsolve's own top-level package: always versioned by source, wherever installed.
 GRIDSOLVE_PACKAGES = frozenset({"gridsolve"})

@@ -2,8 +2,9 @@
 
 HDF5 compresses a variable's chunks one after another, on one core: on the
 seed cube that was 70% of a whole run. Here each block the writer fills is cut
-into the variable's chunks, which are shuffled and deflated exactly as the
-variable's own filter pipeline would (the netCDF library defined it), on every
+into the variable's chunks, which are shuffled and deflated by the filters of the
+variable's own pipeline (the netCDF library defined it; any deflate stream of that
+level is valid there, and any reader inflates it), on every
 core at once (the compressors release the GIL), then stored with HDF5's direct
 chunk write in a fixed order, so the file is the same whatever the number of cores.
 
@@ -11,11 +12,11 @@ Deflate levels 1-3 are compressed with ISA-L (``isal``), levels 4-9 with zlib.
 Both write standard zlib streams that HDF5's deflate filter, netCDF-C, CDO and
 every other reader inflate; the data read back are the same bits. On the seed
 demo's chunks (shuffled float32) ISA-L's level 1 ran at 700-730 MB/s per core
-against zlib's 64-67 MB/s, with a compression ratio within 1 % of zlib's level 1
-(1.394 against 1.407 for the gradients): the write stage was most of a run. The
-compressed bytes differ from zlib's, and may differ between ISA-L's code paths
-(SSE, AVX2, AVX-512), which the determinism promise allows (same machine, same
-code path; ``stages/engine/agreement.py``).
+against zlib's 64-67 MB/s: the write stage was most of a run. It compresses a
+little less: the demo's output file is 5.7 % larger (its gradients and
+coefficients 6 %). The compressed bytes differ from zlib's, and may differ
+between ISA-L's code paths (SSE, AVX2, AVX-512), which the determinism promise
+allows (same machine, same code path; ``stages/engine/agreement.py``).
 
 Anything else, e.g. a block that covers chunks only in part or a filter other
 than shuffle and deflate, is written the ordinary way (h5py's ``d[index] = data``).

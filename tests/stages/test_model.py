@@ -935,13 +935,14 @@ def test_closed_form_finite_flags_are_those_of_the_outputs(dtype: str) -> None:
     assert list(np.flatnonzero(~want)) == [2, 4]
 
 
-@pytest.mark.parametrize("objective", ["sum", "mse"])
+@pytest.mark.parametrize(("objective", "dtype"), [("sum", "float32"), ("mse", "float64")])
 def test_rows_written_whole_equal_the_autograd_chunks(
     mappable_tmp: Path,
     chain: Chain,
     write_cube: Any,
     monkeypatch: pytest.MonkeyPatch,
     objective: str,
+    dtype: str,
 ) -> None:
     # A dense tile of the built-in model is written whole rows at a time into the store's
     # files; a few pixels without coefficients, and (mse) one without a finite target.
@@ -952,7 +953,9 @@ def test_rows_written_whole_equal_the_autograd_chunks(
     target = np.random.default_rng(6).standard_normal((4, 5, 6))
     target[1, 4, 5] = np.nan
     ds["t"] = (("out", "y", "x"), target)
-    cfg = MultidimLinearModel(input_dim=2, hidden_dim=3, output_dim=4, objective=objective)
+    cfg = MultidimLinearModel(
+        input_dim=2, hidden_dim=3, output_dim=4, objective=objective, dtype=dtype
+    )
     load = {"variable": "signal", **({"target": "t"} if objective == "mse" else {})}
     rows_run: list[bool] = []
     run_rows = tile_run._run_rows

@@ -182,14 +182,15 @@ def test_deflate_levels_inflate_to_the_data(level: int, monkeypatch: pytest.Monk
 
     from gridsolve.stages.write import direct
 
+    has_isal = direct.isal_zlib is not None
     raw = np.frombuffer(sample("f4", (64, 64)).tobytes(), np.uint8).reshape(-1, 4).T.tobytes()
     fast = direct.deflate(raw, level)
     assert zlib.decompress(fast) == raw  # a standard zlib stream, as HDF5's filter reads it
     monkeypatch.setattr(direct, "isal_zlib", None)  # a platform without ISA-L's wheel
     plain = direct.deflate(raw, level)
     assert plain == zlib.compress(raw, level)
-    # ISA-L for the fast levels, zlib for the small ones
-    assert (fast != plain) == (level <= direct.ISAL_MAX_LEVEL)
+    # ISA-L for the fast levels (where its wheel is installed), zlib for the small ones
+    assert (fast != plain) == (has_isal and level <= direct.ISAL_MAX_LEVEL)
 
 
 def test_file_without_isal_reads_back_the_same(
@@ -197,6 +198,7 @@ def test_file_without_isal_reads_back_the_same(
 ) -> None:
     from gridsolve.stages.write import direct
 
+    has_isal = direct.isal_zlib is not None
     data = sample("f4", (3, 40, 40))
     files = {}
     for name, isal in (("isal", direct.isal_zlib), ("zlib", None)):
@@ -210,4 +212,5 @@ def test_file_without_isal_reads_back_the_same(
         assert a["v"].filters()["zlib"] and a["v"].filters()["complevel"] == 1
         got, want = a["v"][:].filled(np.nan), b["v"][:].filled(np.nan)
     assert got.tobytes() == want.tobytes() == data.tobytes()
-    assert files["isal"].read_bytes() != files["zlib"].read_bytes()  # other compressed bytes
+    if has_isal:  # other compressed bytes, the same data
+        assert files["isal"].read_bytes() != files["zlib"].read_bytes()
