@@ -40,7 +40,8 @@ import sys
 import sysconfig
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -428,9 +429,27 @@ def code_digest(roots: Iterable[str]) -> str:
     return digest
 
 
-#: module name → (id of the module object, digest of its source) when this process
-#: first keyed it: the code it runs, whatever the file holds now
-_IMPORTED: dict[str, tuple[int, str]] = {}
+#: module name → (the module object and its import spec, digest of its source) when
+#: this process first keyed it: the code it runs, whatever the file holds now. Weak
+#: references, not ids: a module dropped from sys.modules and imported afresh may be
+#: given its predecessor's id, and would then be taken for the edited old one.
+_IMPORTED: dict[str, tuple[tuple[Callable[[], object], Callable[[], object]], str]] = {}
+
+
+def _ref(obj: object) -> Callable[[], object]:
+    """A weak reference to ``obj`` where it allows one, else a strong one."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def _same_import(seen: tuple[Callable[[], object], Callable[[], object]], loaded: object) -> bool:
+    """Whether ``loaded`` is the module object, from the same import, that ``seen`` recorded.
+
+    ``importlib.reload`` keeps the module object but gives it a fresh spec.
+    """
+    return seen[0]() is loaded and seen[1]() is getattr(loaded, "__spec__", None)
 
 
 def user_code_digest(obj: object, target: str) -> str:
@@ -453,9 +472,10 @@ def user_code_digest(obj: object, target: str) -> str:
         loaded = sys.modules.get(name)
         if loaded is None:
             continue  # imported afresh when the stage runs: it runs what the file holds
-        seen = _IMPORTED.setdefault(name, (id(loaded), digest))
-        if seen[0] != id(loaded):  # imported again (reloaded): the file's code runs
-            _IMPORTED[name] = (id(loaded), digest)
+        seen = _IMPORTED.get(name)
+        if seen is None or not _same_import(seen[0], loaded):
+            # first keyed, or imported again (reloaded): the file's code runs
+            _IMPORTED[name] = ((_ref(loaded), _ref(getattr(loaded, "__spec__", None))), digest)
         elif seen[1] != digest:
             changed.append(name)
     if changed:

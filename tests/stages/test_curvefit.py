@@ -7,6 +7,7 @@ imported by path, tiles, the output's variables and flags, refusals, cache keys.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
 from pathlib import Path
@@ -311,3 +312,35 @@ def test_batches_of_different_fits_are_not_joined() -> None:
         join([plain, weighted])
     with pytest.raises(ValueError, match="not of the same fit"):
         join([plain, begin(season, t, b, p0, max_iter=7)])
+
+
+def test_a_module_reimported_at_its_predecessors_address_is_taken_as_new(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # CPython may give a module imported afresh the id of the one it replaced: keyed by
+    # id, a fresh import of an edited file was refused as an edit of the old code
+    from gridsolve.stages.engine import versions
+
+    (tmp_path / "readdressed.py").write_text("def f(t, p):\n    return p[0] * t\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import readdressed  # type: ignore[import-not-found]
+
+    first = versions.user_code_digest(readdressed.f, "readdressed:f")
+    (tmp_path / "readdressed.py").write_text("def f(t, p):\n    return p[0] * t + 1.0\n")
+    with pytest.raises(ConfigError, match="changed after this process imported it"):
+        versions.user_code_digest(readdressed.f, "readdressed:f")
+    # dropped and freed: the fresh import may reuse the old object's address
+    del readdressed
+    sys.modules.pop("readdressed")
+    import readdressed  # type: ignore[import-not-found]
+
+    again = versions.user_code_digest(readdressed.f, "readdressed:f")
+    assert again != first
+    (tmp_path / "readdressed.py").write_text("def f(t, p):\n    return p[0] * t - 10.0\n")
+    with pytest.raises(ConfigError, match="changed after this process imported it"):
+        versions.user_code_digest(readdressed.f, "readdressed:f")
+    importlib.reload(readdressed)  # same module object, a fresh spec: the file's code runs
+    assert readdressed.f(1.0, [1.0]) == -9.0
+    third = versions.user_code_digest(readdressed.f, "readdressed:f")
+    assert third not in (first, again)
+    sys.modules.pop("readdressed")
