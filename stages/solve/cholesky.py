@@ -169,9 +169,13 @@ def _step(
     other pixels of its batch (the loop stops once every pixel has). Convergence is
     judged on the first pair (the coefficients).
     """
-    if len(pairs) == 1 and kernel.usable(*pairs[0]) and ok.device.type == "cpu":
-        x, dx = pairs[0]  # one pass over both instead of a dozen reductions
-        return kernel.step(x, dx, ok.contiguous(), conv, REFINE_TOL), [x]
+    if ok.device.type == "cpu" and all(kernel.usable(*pair) for pair in pairs):
+        # one pass over each pair instead of a dozen reductions and full-size selects
+        okc = ok.contiguous()
+        flags = kernel.step(*pairs[0], okc, conv, REFINE_TOL)
+        for v, d in pairs[1:]:  # the same pixels corrected (the flags depend on ok, conv)
+            kernel.step(v, d, okc, conv, REFINE_TOL)
+        return flags, [v for v, _ in pairs]
     if conv is None:
         out = [v.add_(d) for v, d in pairs]
         return ok & _converged(pairs[0][1], out[0]), out

@@ -23,9 +23,9 @@ What they do (each replaces an eager function of :mod:`~gridsolve.stages.solve.l
   variances in registers, instead of the separate passes over float64 copies of the
   batch, which are bound by memory.
 * ``gs_step``: a refinement step's correction and convergence test (:func:`cholesky._step`).
-* ``gs_load``, ``gs_statistics``, ``gs_gap_solve``: a batch's data as float64 (and its
-  0/1 weights), the uncertainty's statistics straight into the outputs, and the
-  gap-wise dual's gather-solve-scatter.
+* ``gs_load``, ``gs_statistics``, ``gs_gap_factor``, ``gs_gap_solve``: a batch's data as
+  float64 (and its 0/1 weights), the uncertainty's statistics straight into the outputs,
+  and the gap-wise dual's gather-and-factor and gather-solve-scatter.
 
 The refinement's residuals stay torch's: they are matrix products, which MKL does
 with fused multiply-adds; a compiled per-pixel loop without them is compute-bound
@@ -234,6 +234,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gs_step.restype = None
     lib.gs_gap_solve.argtypes = [L, L, V, V, V, V, L, L, L, L]
     lib.gs_gap_solve.restype = None
+    lib.gs_gap_factor.argtypes = [L, L, V, L, V, V, V, D, L, L]
+    lib.gs_gap_factor.restype = ctypes.c_int
     lib.gs_moments.argtypes = [L, L, L, V, V, V, V, L, V, V, V, V, L, L]
     lib.gs_moments.restype = ctypes.c_int
     lib.gs_fit.argtypes = [L, L, L, V, L, L, V, V, V, V, D, D, L, L, V, V, V, V, V, L, L]
@@ -419,6 +421,34 @@ def gap_solve(
         raise ValueError("gap_solve: L (k, k, n), rows (k, n) int64, u and Z contiguous float64")
     args = (k, n, L.data_ptr(), rows.data_ptr(), u.data_ptr(), Z.data_ptr(), u.shape[1], a)
     _run(lib.gs_gap_solve, args, n)
+
+
+def gap_factor(
+    H: torch.Tensor, rows: torch.Tensor, tol: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dual._gap_groups`' factors of one gap group, gathered from ``H`` and factored.
+
+    ``H`` (m, m), ``rows`` (k, n) int64 in ``[0, m)``: the square factors (k, k, n) of
+    ``H[rows[:, None], rows[None]]`` as :func:`cholesky` with ``square`` makes them, and
+    which pixels factored well.
+    """
+    lib = _loaded()
+    k, n = rows.shape
+    m = H.shape[0]
+    if not (
+        rows.dtype == torch.int64
+        and H.shape == (m, m)
+        and H.dtype == torch.float64
+        and all(t.is_contiguous() and t.device.type == "cpu" for t in (H, rows))
+    ):
+        raise ValueError("gap_factor: H (m, m) contiguous float64, rows (k, n) contiguous int64")
+    if rows.numel() and not bool(((rows >= 0) & (rows < m)).all()):
+        raise ValueError("gap_factor: rows must index H")
+    L = torch.empty((k, k, n), dtype=torch.float64)
+    ok = torch.empty(n, dtype=torch.bool)
+    args = (k, n, H.data_ptr(), m, rows.data_ptr(), L.data_ptr(), ok.data_ptr(), tol)
+    _run(lib.gs_gap_factor, args, n)
+    return L, ok
 
 
 def _rows(a: np.ndarray, dtype: type) -> int:

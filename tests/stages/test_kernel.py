@@ -62,6 +62,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         "load",
         "statistics",
         "gap_solve",
+        "gap_factor",
         "step",
         "fit",
     ):
@@ -516,14 +517,14 @@ def test_square_factor_and_solve_agree_with_eager(n: int) -> None:
 def test_gapwise_dual_agrees_with_the_eager_path_and_lstsq(
     monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]
 ) -> None:
-    """coef > obs with gaps: the dual by gap groups (gs_gap_solve and the square factors)."""
+    """coef > obs with gaps: the dual by gap groups (gs_gap_factor and gs_gap_solve)."""
     rng = np.random.default_rng(8)
     A = rng.standard_normal((30, 60))  # well-conditioned AAᵀ: the gap-wise dual takes it
     B = rng.standard_normal((30, 900)).astype(np.float32)
     B[rng.random(B.shape) < 0.2] = np.nan
     config = LstsqSolve(policy="minnorm", dtype="float64")
     compiled = _run(A, B, config)
-    assert {"cholesky", "gap_solve", "load"} <= set(calls), calls
+    assert {"gap_factor", "gap_solve", "load"} <= set(calls), calls
     reference = _run_eager(A, B, config, monkeypatch)
     # A minimum-norm fit with coef > obs interpolates: its residual RMS is rounding noise
     # (≈ 1e-16), which no relative bound holds between two computations; both must be
@@ -536,6 +537,26 @@ def test_gapwise_dual_agrees_with_the_eager_path_and_lstsq(
         ok = np.isfinite(B[:, p])
         want = np.linalg.lstsq(A[ok], B[ok, p].astype(np.float64), rcond=None)[0]
         np.testing.assert_allclose(compiled["coefficients"][:, p], want, rtol=1e-9, atol=1e-12)
+
+
+@needs_kernel
+def test_gap_factor_is_the_gather_then_the_square_factor() -> None:
+    """gs_gap_factor: torch's gather of H's submatrices, then gs_cholesky, bit for bit
+    (failed pixels included: a repeated row makes a singular submatrix)."""
+    rng = np.random.default_rng(12)
+    m, k, n = 30, 7, 1000  # n: a partial block of 64 at the end, and two threads' parts
+    A = torch.from_numpy(rng.standard_normal((m, 2 * m)))
+    H = torch.cholesky_inverse(torch.linalg.cholesky(A @ A.T)).contiguous()
+    rows = torch.from_numpy(np.sort(rng.random((n, m)).argsort(axis=1)[:, :k], axis=1).T.copy())
+    rows[1, 5] = rows[0, 5]  # singular: the pixel fails
+    L, ok = kernel.gap_factor(H, rows, PIVOT_TOL)
+    G = H[rows[:, None, :], rows[None, :, :]].contiguous()
+    ok_ref = kernel.cholesky(G, k, PIVOT_TOL, square=True)
+    tri = torch.tril(torch.ones(k, k, dtype=torch.bool))
+    assert torch.equal(ok, ok_ref) and not bool(ok[5]) and int(ok.sum()) == n - 1
+    assert torch.equal(L[tri][:, ok], G[tri][:, ok])
+    with pytest.raises(ValueError, match="rows must index H"):
+        kernel.gap_factor(H, torch.full((k, 3), m, dtype=torch.int64), PIVOT_TOL)
 
 
 @needs_kernel
@@ -618,7 +639,8 @@ def test_residual_without_moments_equals_the_full_sums() -> None:
 
 @needs_kernel
 def test_refinement_step_equals_the_eager_one(calls: dict[str, int]) -> None:
-    """gs_step: the same additions as _step's, the same convergence flags."""
+    """gs_step: the same additions as _step's, the same convergence flags, for one pair
+    and for two."""
     rng = np.random.default_rng(14)
     n, p = 7, 700
     x0 = torch.from_numpy(rng.standard_normal((n, p)))
@@ -635,7 +657,14 @@ def test_refinement_step_equals_the_eager_one(calls: dict[str, int]) -> None:
             first = (conv.clone(), x.clone())
             conv, (x,) = _step(ok, conv, (x, dx * 1e-6))
             out.extend([*first, conv, x])
-    assert calls.get("step") == 2
+            # two pairs (the dual's coefficients and α): flags from the first, the same
+            # pixels corrected in the second
+            x, a = x0.clone(), x0[:3].clone() * 2.0
+            conv, (x, a) = _step(ok, None, (x, dx.clone()), (a, dx[:3].clone()))
+            first = (conv.clone(), x.clone(), a.clone())
+            conv, (x, a) = _step(ok, conv, (x, dx * 1e-6), (a, dx[3:6] * 1e-3))
+            out.extend([*first, conv, x, a])
+    assert calls.get("step") == 6
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.isnan(), w.isnan()) if g.is_floating_point() else True
         assert (

@@ -205,6 +205,29 @@ GS_API void gs_gap_solve(long k, long np, const double *L, const int64_t *rows, 
     }
 }
 
+/* The gap-wise dual's factors (dual._gap_groups) for pixels [p0, p1) of a group of np
+   pixels with k gaps each: L[i][j][p] = H[rows[i][p]][rows[j][p]] (H: m x m, row-major;
+   L square (k, k, np), all of it, as torch's H[rows[:, None], rows[None]] gathers it),
+   then gs_cholesky of each block of pixels while it is in cache. Returns -1 when out of
+   memory. */
+GS_API int gs_gap_factor(long k, long np, const double *H, long m, const int64_t *rows,
+                         double *L, unsigned char *ok, double tol, long p0, long p1)
+{
+    for (long b0 = p0; b0 < p1; b0 += BW) {
+        long w = p1 - b0 < BW ? p1 - b0 : BW;
+        for (long i = 0; i < k; ++i) {
+            const int64_t *restrict ri = rows + i * np + b0;
+            for (long j = 0; j < k; ++j) {
+                const int64_t *restrict rj = rows + j * np + b0;
+                double *restrict dst = L + (i * k + j) * np + b0;
+                for (long p = 0; p < w; ++p) dst[p] = H[ri[p] * m + rj[p]];
+            }
+        }
+        if (gs_cholesky(k, 1, np, L, ok, tol, NULL, NULL, NULL, b0, b0 + w)) return -1;
+    }
+    return 0;
+}
+
 /* lstsq._statistics for pixels [p0, p1), each pixel's coefficients C (rows cs apart) and
    unscaled variances var (rows vs apart): standard errors and t (rows os apart), dof,
    R² and flags. A pixel is solved when its status is one of ok[0..3] and its

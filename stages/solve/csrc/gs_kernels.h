@@ -19,6 +19,8 @@ void gs_step(long n, long P, double *x, const double *dx, const unsigned char *o
              long p1);
 void gs_gap_solve(long k, long np, const double *L, const int64_t *rows, const double *u,
                   double *Z, long P, long a, long p0, long p1);
+int gs_gap_factor(long k, long np, const double *H, long m, const int64_t *rows, double *L,
+                  unsigned char *ok, double tol, long p0, long p1);
 void gs_statistics(long coef, const double *C, long cs, const signed char *status,
                    const int *n_valid, const double *wrms, const double *trms, const double *var,
                    long vs, const double *edf, long ridge, long scaled, const signed char *okc,
