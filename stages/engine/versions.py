@@ -482,7 +482,7 @@ def user_code_digest(obj: object, target: str) -> str:
         raise ConfigError(
             f"the source of {', '.join(sorted(changed))} changed after this process imported it",
             found=f"{target}: the file on disk differs from the code this process runs",
-            fix="restart the process (a notebook's kernel, gridsolve serve) so that the run "
-            "runs the code its cache key covers",
+            fix="restart the process (a notebook's kernel, gridsolve serve), or importlib.reload "
+            "the edited modules, so that the run runs the code its cache key covers",
         )
     return hash_text(canonical_json(digests))
