@@ -429,11 +429,14 @@ def code_digest(roots: Iterable[str]) -> str:
     return digest
 
 
+#: what identifies one import of a module (see :func:`_import_of`)
+_Import = tuple[Callable[[], object], Callable[[], object]]
 #: module name → (the module object and its import spec, digest of its source) when
-#: this process first keyed it: the code it runs, whatever the file holds now. Weak
-#: references, not ids: a module dropped from sys.modules and imported afresh may be
-#: given its predecessor's id, and would then be taken for the edited old one.
-_IMPORTED: dict[str, tuple[tuple[Callable[[], object], Callable[[], object]], str]] = {}
+#: this process last keyed it as imported afresh: the code it runs, whatever the file
+#: holds now. Weak references, not ids: a module dropped from sys.modules and imported
+#: afresh may be given its predecessor's id, and would then be taken for the old one.
+_IMPORTED: dict[str, tuple[_Import, str]] = {}
+_IMPORTED_LOCK = threading.Lock()
 
 
 def _ref(obj: object) -> Callable[[], object]:
@@ -444,10 +447,16 @@ def _ref(obj: object) -> Callable[[], object]:
         return lambda: obj
 
 
-def _same_import(seen: tuple[Callable[[], object], Callable[[], object]], loaded: object) -> bool:
+def _import_of(loaded: object) -> _Import:
+    """What identifies one import of the module ``loaded``: the object and its spec."""
+    return _ref(loaded), _ref(getattr(loaded, "__spec__", None))
+
+
+def _same_import(seen: _Import, loaded: object) -> bool:
     """Whether ``loaded`` is the module object, from the same import, that ``seen`` recorded.
 
-    ``importlib.reload`` keeps the module object but gives it a fresh spec.
+    ``importlib.reload`` keeps the module object but gives it a fresh spec (before it
+    runs the module: a reload that raised counts as one that ran).
     """
     return seen[0]() is loaded and seen[1]() is getattr(loaded, "__spec__", None)
 
@@ -456,9 +465,11 @@ def user_code_digest(obj: object, target: str) -> str:
     """Digest of the source a user's class or function runs: its module and local imports.
 
     Defined where there is no source file (an interactive session): its own source,
-    or failing that its import path. Raises ConfigError when a module this process
-    has imported was edited since it was first keyed here: the key would cover the
-    new source while the run ran the old code (a notebook's kernel, ``gridsolve serve``).
+    or failing that its import path. Raises ConfigError when the process may run other
+    code than the files hold (a notebook's kernel, ``gridsolve serve``): a module it
+    has imported was edited since it was keyed here, or a local import was imported
+    again (reloaded) after the edit while the target's module was not, so that the
+    target may still call the old code (``from helper import g``).
     """
     module = str(getattr(obj, "__module__", target.partition(":")[0]))
     digests = module_digests([module])
@@ -467,22 +478,39 @@ def user_code_digest(obj: object, target: str) -> str:
             digests[module] = hash_text(inspect.getsource(obj))  # type: ignore[arg-type]
         except (OSError, TypeError):
             digests[module] = hash_text(target)
-    changed = []
-    for name, digest in digests.items():
-        loaded = sys.modules.get(name)
-        if loaded is None:
-            continue  # imported afresh when the stage runs: it runs what the file holds
-        seen = _IMPORTED.get(name)
-        if seen is None or not _same_import(seen[0], loaded):
-            # first keyed, or imported again (reloaded): the file's code runs
-            _IMPORTED[name] = ((_ref(loaded), _ref(getattr(loaded, "__spec__", None))), digest)
-        elif seen[1] != digest:
-            changed.append(name)
-    if changed:
+    with _IMPORTED_LOCK:
+        fresh: dict[str, object] = {}
+        edited, stale = [], []
+        for name, digest in digests.items():
+            loaded = sys.modules.get(name)
+            if loaded is None:
+                continue  # imported afresh when the stage runs: it runs what the file holds
+            seen = _IMPORTED.get(name)
+            if seen is None or not _same_import(seen[0], loaded):
+                fresh[name] = loaded  # first keyed, or imported again: the file's code runs
+                if seen is not None and seen[1] != digest:
+                    stale.append(name)
+            elif seen[1] != digest:
+                edited.append(name)
+        if module in fresh or module not in sys.modules:
+            stale = []  # the target's module imports the modules as they are now
+        if not edited and not stale:
+            for name, obj_ in fresh.items():
+                _IMPORTED[name] = (_import_of(obj_), digests[name])
+    if edited:
         raise ConfigError(
-            f"the source of {', '.join(sorted(changed))} changed after this process imported it",
+            f"the source of {', '.join(sorted(edited))} changed after this process imported it",
             found=f"{target}: the file on disk differs from the code this process runs",
             fix="restart the process (a notebook's kernel, gridsolve serve), or importlib.reload "
-            "the edited modules, so that the run runs the code its cache key covers",
+            f"the edited modules and then {module}, so that the run runs the code its cache "
+            "key covers",
+        )
+    if stale:
+        raise ConfigError(
+            f"{', '.join(sorted(stale))} was imported again after an edit, {module} was not: "
+            "it may still run the code from before the edit",
+            found=f"{target}: {module} was imported before the edit",
+            fix=f"importlib.reload {module} too (or restart the process), so that the run runs "
+            "the code its cache key covers",
         )
     return hash_text(canonical_json(digests))

@@ -442,8 +442,10 @@ def gap_factor(
         and all(t.is_contiguous() and t.device.type == "cpu" for t in (H, rows))
     ):
         raise ValueError("gap_factor: H (m, m) contiguous float64, rows (k, n) contiguous int64")
-    if rows.numel() and not bool(((rows >= 0) & (rows < m)).all()):
-        raise ValueError("gap_factor: rows must index H")
+    if rows.numel():
+        lo, hi = torch.aminmax(rows)
+        if int(lo) < 0 or int(hi) >= m:
+            raise ValueError("gap_factor: rows must index H")
     L = torch.empty((k, k, n), dtype=torch.float64)
     ok = torch.empty(n, dtype=torch.bool)
     args = (k, n, H.data_ptr(), m, rows.data_ptr(), L.data_ptr(), ok.data_ptr(), tol)
