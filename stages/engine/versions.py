@@ -492,8 +492,11 @@ def user_code_digest(obj: object, target: str) -> str:
                     stale.append(name)
             elif seen[1] != digest:
                 edited.append(name)
-        if module in fresh or module not in sys.modules:
-            stale = []  # the target's module imports the modules as they are now
+        if module not in sys.modules or (module in fresh and module in _IMPORTED):
+            # the target's module is imported afresh, or was imported again since it was
+            # keyed: it imports the modules as they are now (one never keyed before may
+            # have been imported before the edit: still refused)
+            stale = []
         if not edited and not stale:
             for name, obj_ in fresh.items():
                 _IMPORTED[name] = (_import_of(obj_), digests[name])

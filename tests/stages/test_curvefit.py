@@ -386,5 +386,17 @@ def test_a_helper_reloaded_without_its_importer_is_refused(
     importlib.reload(curve_root)  # now it binds the new g: keyed afresh
     assert curve_root.f(1.0, [1.0]) == 2.0
     assert versions.user_code_digest(curve_root.f, "curve_root:f") != first
-    for name in ("curve_helper", "curve_root"):
+    # a module never keyed before, imported before the helper's next edit and reload:
+    # refused as well (it holds the old g; when it was imported is not known)
+    (tmp_path / "curve_other.py").write_text(
+        "from curve_helper import g\n\n\ndef f(t, p):\n    return p[0] * g(t) * 1.0\n"
+    )
+    monkeypatch.delitem(sys.modules, "curve_other", raising=False)
+    import curve_other  # type: ignore[import-not-found]
+
+    (tmp_path / "curve_helper.py").write_text("def g(t):\n    return 3.0 * t\n")
+    importlib.reload(curve_helper)
+    with pytest.raises(ConfigError, match="curve_helper was imported again after an edit"):
+        versions.user_code_digest(curve_other.f, "curve_other:f")
+    for name in ("curve_helper", "curve_root", "curve_other"):
         sys.modules.pop(name)
