@@ -7,7 +7,6 @@ imported by path, tiles, the output's variables and flags, refusals, cache keys.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import warnings
 from pathlib import Path
@@ -312,91 +311,3 @@ def test_batches_of_different_fits_are_not_joined() -> None:
         join([plain, weighted])
     with pytest.raises(ValueError, match="not of the same fit"):
         join([plain, begin(season, t, b, p0, max_iter=7)])
-
-
-def test_a_module_reimported_at_its_predecessors_address_is_taken_as_new(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # CPython may give a module imported afresh the id of the one it replaced: keyed by
-    # id, a fresh import of an edited file was refused as an edit of the old code
-    import gc
-    import types
-
-    from gridsolve.stages.engine import versions
-
-    monkeypatch.setattr(versions, "_IMPORTED", {})
-    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # no stale .pyc of a same-size edit
-    monkeypatch.delitem(sys.modules, "readdressed", raising=False)
-    one, two = types.ModuleType("m"), types.ModuleType("m")
-    assert versions._same_import(versions._import_of(one), one)
-    assert not versions._same_import(versions._import_of(one), two)
-    (tmp_path / "readdressed.py").write_text("def f(t, p):\n    return p[0] * t\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import readdressed  # type: ignore[import-not-found]
-
-    first = versions.user_code_digest(readdressed.f, "readdressed:f")
-    (tmp_path / "readdressed.py").write_text("def f(t, p):\n    return p[0] * t + 1.0\n")
-    with pytest.raises(ConfigError, match="changed after this process imported it"):
-        versions.user_code_digest(readdressed.f, "readdressed:f")
-    # dropped and freed: the record names no module any more, whatever address the next
-    # import gets
-    del readdressed
-    sys.modules.pop("readdressed")
-    gc.collect()
-    assert versions._IMPORTED["readdressed"][0][0]() is None
-    import readdressed  # type: ignore[import-not-found]
-
-    again = versions.user_code_digest(readdressed.f, "readdressed:f")
-    assert again != first
-    (tmp_path / "readdressed.py").write_text("def f(t, p):\n    return p[0] * t - 10.0\n")
-    with pytest.raises(ConfigError, match="changed after this process imported it"):
-        versions.user_code_digest(readdressed.f, "readdressed:f")
-    importlib.reload(readdressed)  # same module object, a fresh spec: the file's code runs
-    assert readdressed.f(1.0, [1.0]) == -9.0
-    third = versions.user_code_digest(readdressed.f, "readdressed:f")
-    assert third not in (first, again)
-    sys.modules.pop("readdressed")
-
-
-def test_a_helper_reloaded_without_its_importer_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # `from helper import g` keeps the old g in the target's module: a reload of the
-    # helper alone leaves the target calling the old code under the new code's key
-    from gridsolve.stages.engine import versions
-
-    monkeypatch.setattr(versions, "_IMPORTED", {})
-    monkeypatch.setattr(sys, "dont_write_bytecode", True)
-    for name in ("curve_helper", "curve_root"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    (tmp_path / "curve_helper.py").write_text("def g(t):\n    return t\n")
-    (tmp_path / "curve_root.py").write_text(
-        "from curve_helper import g\n\n\ndef f(t, p):\n    return p[0] * g(t)\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import curve_helper  # type: ignore[import-not-found]
-    import curve_root  # type: ignore[import-not-found]
-
-    first = versions.user_code_digest(curve_root.f, "curve_root:f")
-    (tmp_path / "curve_helper.py").write_text("def g(t):\n    return 2.0 * t\n")
-    importlib.reload(curve_helper)
-    assert curve_root.f(1.0, [1.0]) == 1.0  # still the old g
-    with pytest.raises(ConfigError, match="curve_helper was imported again after an edit"):
-        versions.user_code_digest(curve_root.f, "curve_root:f")
-    importlib.reload(curve_root)  # now it binds the new g: keyed afresh
-    assert curve_root.f(1.0, [1.0]) == 2.0
-    assert versions.user_code_digest(curve_root.f, "curve_root:f") != first
-    # a module never keyed before, imported before the helper's next edit and reload:
-    # refused as well (it holds the old g; when it was imported is not known)
-    (tmp_path / "curve_other.py").write_text(
-        "from curve_helper import g\n\n\ndef f(t, p):\n    return p[0] * g(t) * 1.0\n"
-    )
-    monkeypatch.delitem(sys.modules, "curve_other", raising=False)
-    import curve_other  # type: ignore[import-not-found]
-
-    (tmp_path / "curve_helper.py").write_text("def g(t):\n    return 3.0 * t\n")
-    importlib.reload(curve_helper)
-    with pytest.raises(ConfigError, match="curve_helper was imported again after an edit"):
-        versions.user_code_digest(curve_other.f, "curve_other:f")
-    for name in ("curve_helper", "curve_root", "curve_other"):
-        sys.modules.pop(name)
